@@ -1,0 +1,115 @@
+"""First-come-first-served scheduler: the engine's default policy.
+
+Admits waiting requests in arrival order while KV slots are free, and grants each running request the tree
+size its drafters ask for, within a per-step token budget (total tree nodes verified). The QoS scheduler
+replaces this policy, not the loop.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from specstream.schedulers.plan import (
+    DecodeWork,
+    PrefillWork,
+    Request,
+    RequestStatus,
+    StepOutput,
+    StepPlan,
+)
+
+
+class FifoScheduler:
+    """FIFO admission, continuous batching.
+
+    Args:
+        num_slots: KV cache slots (concurrent requests).
+        max_len: tokens per slot (prompt + output + tree).
+        max_nodes_per_request: largest tree granted to one request (root included).
+        token_budget: most tree nodes verified per step across the batch (prefill tokens count too).
+        max_tree_depth: deepest draft token.
+    """
+
+    def __init__(self, num_slots: int, max_len: int, max_nodes_per_request: int = 64, token_budget: int = 4096,
+                 max_tree_depth: int = 16):
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.max_nodes_per_request = max_nodes_per_request
+        self.token_budget = token_budget
+        self.max_tree_depth = max_tree_depth
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.free_slots: list[int] = list(range(num_slots))[::-1]
+        self._released: list[tuple[str, int]] = []
+        self._step = 0
+
+    # -- intake ---------------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- planning -------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Plan one step. Called by the engine loop before :meth:`Executor.execute`."""
+        self._step += 1
+        budget = self.token_budget
+        decodes = []
+        for req in self.running.values():
+            nodes = max(1, min(req.requested_nodes if req.speculate else 1, self.max_nodes_per_request))
+            room = self.max_len - len(req.context) + 1  # cache columns left for the root and its tree
+            nodes = max(1, min(nodes, room, budget - (len(self.running) - len(decodes) - 1)))
+            depth = max(0, min(req.remaining - 1, self.max_tree_depth, room - 1))
+            decodes.append(DecodeWork(req, req.slot, nodes, depth))
+            budget -= nodes
+        prefills = []
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            if prefills and len(req.prompt_ids) > budget:
+                break
+            self.waiting.popleft()
+            req.slot = self.free_slots.pop()
+            req.status = RequestStatus.RUNNING
+            prefills.append(PrefillWork(req, req.slot))
+            budget -= len(req.prompt_ids)
+        released, self._released = tuple(self._released), []
+        return StepPlan(self._step, tuple(prefills), tuple(decodes), released)
+
+    # -- booking --------------------------------------------------------------------------------------------
+    def update(self, output: StepOutput) -> list[Request]:
+        """Book a step's results; returns the requests that finished in it."""
+        finished = []
+        for res in output.results:
+            req = self.requests[res.request_id]
+            req.output_ids.extend(res.new_tokens)
+            req.stats.committed += len(res.new_tokens)
+            req.stats.target_steps += 1
+            req.stats.draft_s += res.draft_s
+            req.stats.verify_s += res.verify_s
+            if not res.is_prefill and res.error is None:
+                req.stats.accepted_per_step.append(res.num_accepted)
+            req.requested_nodes = res.requested_nodes
+            if res.is_prefill:
+                self.running[req.request_id] = req
+            if res.error is not None or res.finish_reason is not None:
+                req.error = res.error
+                req.finish_reason = res.finish_reason or "error"
+                self._finish(req)
+                finished.append(req)
+        return finished
+
+    def _finish(self, req: Request) -> None:
+        req.status = RequestStatus.FINISHED
+        self.running.pop(req.request_id, None)
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            self._released.append((req.request_id, req.slot))
+
+    def pop_finished(self, request_id: str) -> Request:
+        """Forget a finished request (the caller has its output)."""
+        return self.requests.pop(request_id)

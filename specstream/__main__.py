@@ -1,0 +1,3 @@
+from specstream.cli import main
+
+raise SystemExit(main())

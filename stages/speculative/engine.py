@@ -1,0 +1,204 @@
+"""The speculative decoding engine: a scheduler and an executor in a three-call step loop.
+
+``step()`` = ``scheduler.schedule() -> StepPlan``; ``executor.execute(plan) -> StepOutput``;
+``scheduler.update(output)``. The scheduler decides (admission, tree budgets), the executor runs tensors.
+Requests join and leave between steps (continuous batching); each request's output is exactly what the target
+alone would produce (greedy: token for token; sampling: in distribution).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specstream.errors import ContextLengthError, InvalidRequestError
+from specstream.kernels.sampling import SamplingParams
+from specstream.schedulers.fifo import FifoScheduler
+from specstream.schedulers.plan import Request, StepOutput
+from specstream.stages.speculative.drafters.base import Drafter
+from specstream.stages.speculative.drafters.model import ModelDrafter, TreeSpec
+from specstream.stages.speculative.drafters.ngram import NgramDrafter
+from specstream.stages.speculative.executor import SpeculativeExecutor
+from specstream.stages.speculative.models.llama import LlamaDecoder
+from specstream.stages.speculative.models.loader import (
+    Checkpoint,
+    check_same_tokenizer,
+    load_decoder,
+    resolve_checkpoint,
+)
+
+TokenCallback = Callable[[Request, tuple[int, ...]], None]
+
+
+@dataclass
+class EngineConfig:
+    """Engine sizes.
+
+    Attributes:
+        num_slots: concurrent requests (KV cache slots).
+        max_len: context per slot in tokens (capped by the model's ``max_position_embeddings``).
+        tree: the model drafters' tree shape.
+        max_nodes_per_request: largest tree granted (root included); default: the tree's full size.
+        token_budget: tree nodes + prefill tokens verified per step across the batch.
+        adaptive: shrink trees of requests with low recent acceptance.
+        ngram: add the n-gram (prompt lookup) drafter.
+    """
+
+    num_slots: int = 16
+    max_len: int = 1024
+    tree: TreeSpec = field(default_factory=TreeSpec)
+    max_nodes_per_request: int | None = None
+    token_budget: int = 8192
+    adaptive: bool = True
+    ngram: bool = False
+
+
+class SpeculativeEngine:
+    """Token-tree speculative decoding over a continuous batch (SpecInfer, Miao et al., ASPLOS 2024).
+
+    Build with :meth:`from_checkpoints` or from a loaded target and drafters.
+    """
+
+    def __init__(self, target: LlamaDecoder, drafters: list[Drafter], config: EngineConfig | None = None,
+                 eos_token_ids: tuple[int, ...] = (), tokenizer=None, scheduler=None):
+        self.config = config or EngineConfig()
+        self.target = target
+        self.max_len = min(self.config.max_len, target.config.max_position_embeddings)
+        full = self.config.max_nodes_per_request or max(
+            [self.config.tree.num_nodes()] + [9 for d in drafters if isinstance(d, NgramDrafter)]
+        )
+        self.executor = SpeculativeExecutor(target, drafters, self.config.num_slots, self.max_len, full_nodes=full,
+                                            adaptive=self.config.adaptive)
+        self.scheduler = scheduler or FifoScheduler(self.config.num_slots, self.max_len, max_nodes_per_request=full,
+                                                    token_budget=self.config.token_budget)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.vocab_limit = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer else target.config.vocab_size
+        self._ids = itertools.count()
+        self._callbacks: dict[str, TokenCallback] = {}
+
+    # -- construction ---------------------------------------------------------------------------------------
+    @classmethod
+    def from_checkpoints(cls, target: str | os.PathLike, drafts: list[str | os.PathLike] = (), ngram: bool = False,
+                         config: EngineConfig | None = None, dtype: str = "float32", device: str = "cpu"):
+        """Load a target and draft checkpoints (dirs or hub ids) and build an engine.
+
+        With no drafts and ``ngram`` False, no speculation happens (one token per target step).
+
+        Raises:
+            CheckpointNotFoundError, UnsupportedArchitectureError, TokenizerMismatchError.
+        """
+        config = config or EngineConfig()
+        tckpt = resolve_checkpoint(target)
+        tmodel = load_decoder(tckpt, dtype, device)
+        tokenizer = tckpt.tokenizer
+        vocab_limit = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer else tmodel.config.vocab_size
+        max_len = min(config.max_len, tmodel.config.max_position_embeddings)
+        drafters: list[Drafter] = []
+        for i, d in enumerate(drafts):
+            dckpt = resolve_checkpoint(d)
+            check_same_tokenizer(tckpt, dckpt)
+            dmodel = load_decoder(dckpt, dtype, device)
+            drafters.append(ModelDrafter(dmodel, config.num_slots, max_len, config.tree,
+                                         vocab_limit=min(vocab_limit, tmodel.config.vocab_size),
+                                         target_vocab=tmodel.config.vocab_size, name=f"draft{i}"))
+        if ngram or config.ngram:
+            drafters.append(NgramDrafter(max_depth=max(1, config.tree.depth)))
+        engine = cls(tmodel, drafters, config, tckpt.eos_token_ids(), tokenizer)
+        engine.checkpoint = tckpt
+        return engine
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def make_request(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
+                     request_id: str | None = None, speculate: bool = True, **kwargs) -> Request:
+        """Validate and build a request (not yet queued).
+
+        Raises:
+            InvalidRequestError: empty prompt, ids outside the vocabulary, ``max_new_tokens < 1``.
+            ContextLengthError: the prompt leaves no room for a new token.
+        """
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise InvalidRequestError("empty prompt: give at least one token id")
+        vocab = self.target.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt_ids) >= self.max_len:
+            raise ContextLengthError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_len} tokens "
+                f"(prompt + at least one new token)"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        return Request(rid, prompt_ids, max_new_tokens, sampling or SamplingParams(),
+                       kwargs.pop("eos_token_ids", self.eos_token_ids), speculate, **kwargs)
+
+    def add_request(self, request: Request, on_tokens: TokenCallback | None = None) -> Request:
+        """Queue a request; ``on_tokens(request, new_tokens)`` is called after every step that commits tokens."""
+        self.scheduler.add(request)
+        if on_tokens is not None:
+            self._callbacks[request.request_id] = on_tokens
+        return request
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One engine step; returns requests that finished in it."""
+        plan = self.scheduler.schedule()
+        output: StepOutput = self.executor.execute(plan)
+        finished = self.scheduler.update(output)
+        for res in output.results:
+            cb = self._callbacks.get(res.request_id)
+            if cb is not None and (res.new_tokens or res.finish_reason or res.error):
+                cb(self.scheduler.requests[res.request_id], res.new_tokens)
+        for req in finished:
+            self._callbacks.pop(req.request_id, None)
+        return finished
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def run(self) -> None:
+        """Step until every queued request finished."""
+        while self.has_work():
+            self.step()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingParams | None = None,
+                 speculate: bool = True) -> list[Request]:
+        """Decode ``prompts`` as one continuous batch; returns the finished requests in input order."""
+        reqs = [self.add_request(self.make_request(p, max_new_tokens, sampling, speculate=speculate))
+                for p in prompts]
+        self.run()
+        for r in reqs:
+            self.scheduler.pop_finished(r.request_id)
+        return reqs
+
+    def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None
+               ) -> Iterator[tuple[int, ...]]:
+        """Yield each step's committed tokens for one request (other queued requests advance too)."""
+        chunks: list[tuple[int, ...]] = []
+        req = self.add_request(self.make_request(prompt_ids, max_new_tokens, sampling),
+                               on_tokens=lambda r, toks: chunks.append(toks))
+        while not req.finished:
+            self.step()
+            while chunks:
+                yield chunks.pop(0)
+        self.scheduler.pop_finished(req.request_id)
+
+    @property
+    def target_forwards(self) -> int:
+        return self.executor.target_forwards
+
+    def decode_text(self, ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([i for i in ids if i < self.vocab_limit])
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)

@@ -1,0 +1,222 @@
+"""The executor: owns the device, the models and their KV caches; runs one :class:`StepPlan` per call.
+
+Per step (SpecInfer §4): drafters propose a token tree per decoding request (draft forwards batched across
+requests) -> one target forward verifies every tree of the batch and prefills the newly admitted prompts ->
+each request's accepted path (+ bonus token) is committed -> KV commit: the accepted nodes' keys/values are
+compacted so each slot holds exactly prompt + committed tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specstream.kernels.sampling import target_probs
+from specstream.kernels.tree_attention import build_tree_mask
+from specstream.kernels.verification import VerifyResult, sample_from, verify_greedy, verify_stochastic
+from specstream.schedulers.plan import DecodeWork, RequestStepResult, StepOutput, StepPlan
+from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
+from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
+from specstream.stages.speculative.tree import TokenTree
+
+
+@dataclass
+class _Row:
+    request_id: str
+    slot: int
+    tokens: list[int]
+    positions: list[int]
+    columns: list[int]
+    ancestor: torch.Tensor  # [T_b, T_b]
+    prefix: int
+    logit_rows: list[int]
+    tree: TokenTree | None  # None for a prefill
+    work: object
+
+
+class SpeculativeExecutor:
+    """Runs step plans on one target decoder and its drafters.
+
+    Args:
+        target: the target decoder.
+        drafters: drafters whose trees are merged (trie union) each step; empty = no speculation.
+        num_slots: KV cache slots.
+        max_len: tokens per slot (prompt + output).
+        full_nodes: tree size a request asks for when its drafts are accepted well (root included).
+        adaptive: shrink trees of requests whose recent acceptance is low.
+    """
+
+    def __init__(self, target: LlamaDecoder, drafters: list[Drafter], num_slots: int, max_len: int,
+                 full_nodes: int = 21, adaptive: bool = True):
+        self.target = target
+        self.drafters = list(drafters)
+        self.max_len = max_len
+        self.cache = target.new_cache(num_slots, max_len)
+        self.full_nodes = full_nodes
+        self.adaptive = adaptive
+        self._rngs: dict[str, random.Random] = {}
+        self._budgets: dict[str, AdaptiveBudget] = {}
+        self.target_forwards = 0
+        self.prefix_embeds: dict[str, torch.Tensor] = {}
+
+    # -- bookkeeping ----------------------------------------------------------------------------------------
+    def release(self, request_id: str, slot: int) -> None:
+        self.cache.reset(slot)
+        for d in self.drafters:
+            d.release(request_id, slot)
+        self._rngs.pop(request_id, None)
+        self._budgets.pop(request_id, None)
+        self.prefix_embeds.pop(request_id, None)
+
+    def _rng(self, request_id: str, seed: int) -> random.Random:
+        if request_id not in self._rngs:
+            self._rngs[request_id] = random.Random(seed)
+        return self._rngs[request_id]
+
+    def _budget(self, request_id: str) -> AdaptiveBudget:
+        if request_id not in self._budgets:
+            self._budgets[request_id] = AdaptiveBudget(full_nodes=self.full_nodes)
+        return self._budgets[request_id]
+
+    # -- drafting -------------------------------------------------------------------------------------------
+    def _draft(self, decodes: tuple[DecodeWork, ...]) -> tuple[dict[str, TokenTree], float]:
+        t0 = time.perf_counter()
+        trees: dict[str, TokenTree] = {}
+        inputs = []
+        for work in decodes:
+            req = work.request
+            if work.node_budget > 1 and work.max_depth > 0 and self.drafters:
+                inputs.append(DraftInput(req.request_id, work.slot, req.context, work.node_budget, work.max_depth,
+                                         req.sampling, self._rng(req.request_id, req.sampling.seed)))
+            else:
+                trees[req.request_id] = TokenTree(req.context[-1])
+        if inputs:
+            proposals = [d.propose(inputs) for d in self.drafters]
+            for i, inp in enumerate(inputs):
+                mine = [p[i] for p in proposals]
+                tree = mine[0] if len(mine) == 1 else TokenTree.merge(mine, max_nodes=inp.node_budget)
+                if len(tree) > inp.node_budget or tree.max_depth > inp.max_depth:
+                    tree = tree.truncated(inp.node_budget, inp.max_depth)
+                trees[inp.request_id] = tree
+        return trees, time.perf_counter() - t0
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run ``plan``: draft, one target forward for the whole batch, verify, commit."""
+        t_start = time.perf_counter()
+        for request_id, slot in plan.released:
+            self.release(request_id, slot)
+        if plan.empty:
+            return StepOutput(plan.step, (), 0, 0, 0.0)
+        trees, draft_s = self._draft(plan.decodes)
+        rows: list[_Row] = []
+        for work in plan.prefills:
+            req = work.request
+            n = len(req.prompt_ids)
+            self.cache.reset(work.slot)
+            rows.append(_Row(req.request_id, work.slot, list(req.prompt_ids), list(range(n)), list(range(n)),
+                             torch.ones((n, n), dtype=torch.bool).tril_(), 0, [n - 1], None, work))
+        for work in plan.decodes:
+            req = work.request
+            tree = trees[req.request_id]
+            ct = tree.compile()
+            base = self.cache.lengths[work.slot]
+            t = ct.num_nodes
+            rows.append(_Row(req.request_id, work.slot, ct.tokens.tolist(), (base + ct.depths).tolist(),
+                             list(range(base, base + t)), ct.ancestor_mask, base, list(range(t)), tree, work))
+        t_verify = time.perf_counter()
+        logits = self._target_forward(rows)
+        results = []
+        for i, row in enumerate(rows):
+            results.append(self._commit(row, logits[i, : len(row.logit_rows)]))
+        verify_s = time.perf_counter() - t_verify
+        n_dec = max(1, len(plan.decodes))
+        results = [
+            dataclasses.replace(r, draft_s=0.0 if r.is_prefill else draft_s / n_dec, verify_s=verify_s / len(rows))
+            for r in results
+        ]
+        return StepOutput(plan.step, tuple(results), 1, sum(len(r.tokens) for r in rows),
+                          time.perf_counter() - t_start)
+
+    def _target_forward(self, rows: list[_Row]) -> torch.Tensor:
+        device = self.target.device
+        b = len(rows)
+        t = max(len(r.tokens) for r in rows)
+        r_max = max(len(r.logit_rows) for r in rows)
+        key_len = max(r.prefix + len(r.tokens) for r in rows)
+        ids = torch.zeros((b, t), dtype=torch.long)
+        pos = torch.zeros((b, t), dtype=torch.long)
+        cols = torch.full((b, t), self.cache.scratch, dtype=torch.long)
+        lidx = torch.zeros((b, r_max), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            ids[i, :n] = torch.tensor(r.tokens)
+            pos[i, :n] = torch.tensor(r.positions)
+            cols[i, :n] = torch.tensor(r.columns)
+            lidx[i, : len(r.logit_rows)] = torch.tensor(r.logit_rows)
+        mask = build_tree_mask(torch.tensor([r.prefix for r in rows]), [r.ancestor for r in rows], key_len, t)
+        embeds = None
+        if any(r.tree is None and r.request_id in self.prefix_embeds for r in rows):
+            embeds = self.target.embed(ids.to(device))
+            for i, r in enumerate(rows):
+                pe = self.prefix_embeds.get(r.request_id)
+                if r.tree is None and pe is not None:
+                    embeds[i, : pe.shape[0]] = pe.to(embeds.dtype)
+        batch = ForwardBatch(
+            slots=torch.tensor([r.slot for r in rows], dtype=torch.long, device=device),
+            input_ids=ids.to(device), position_ids=pos.to(device), write_index=cols.to(device),
+            attn_mask=mask.to(device), logit_index=lidx.to(device), inputs_embeds=embeds,
+        )
+        logits, _ = self.target.forward_batch(self.cache, batch)
+        self.target_forwards += 1
+        return logits.cpu()
+
+    def _commit(self, row: _Row, logits: torch.Tensor) -> RequestStepResult:
+        """Verify one row's logits ``[R, V]`` and commit its tokens (KV commit included)."""
+        req = row.work.request
+        is_prefill = row.tree is None
+        if not bool(torch.isfinite(logits).all()):
+            return RequestStepResult(req.request_id, is_prefill=is_prefill, error={
+                "code": "numerical_error", "message": "the target produced NaN or infinite logits"})
+        params = req.sampling
+        if is_prefill:
+            if params.greedy:
+                first = int(logits[-1].argmax())
+            else:
+                first = sample_from(target_probs(logits[-1:], params)[0].numpy(),
+                                    self._rng(req.request_id, params.seed))
+            result = VerifyResult((), (), first)
+        elif params.greedy:
+            result = verify_greedy(logits.argmax(-1).tolist(), row.tree)
+        else:
+            result = verify_stochastic(target_probs(logits, params), row.tree, self._rng(req.request_id, params.seed))
+        proposed = list(result.accepted_tokens) + [result.bonus_token]
+        limit = min(req.remaining, self.max_len - len(req.context))
+        new, reason = [], None
+        for tok in proposed:
+            new.append(tok)
+            if tok in req.eos_token_ids:
+                reason = "eos"
+                break
+            if len(new) >= limit:
+                reason = "length"
+                break
+        num_accepted = min(result.num_accepted, len(new))
+        if is_prefill:
+            self.cache.lengths[row.slot] = len(row.tokens)
+        else:
+            keep = 1 + num_accepted  # root + accepted draft tokens that were committed
+            self.cache.compact(row.slot, row.prefix, [row.prefix + i for i in result.path[:keep]])
+            for d in self.drafters:
+                d.observe(req.request_id, row.tree, result.path[:keep], new)
+        requested = 1
+        if req.speculate and self.drafters:
+            budget = self._budget(req.request_id)
+            if not is_prefill:
+                budget.observe(num_accepted, len(row.tree))
+            requested = budget.requested_nodes() if self.adaptive else self.full_nodes
+        return RequestStepResult(req.request_id, tuple(new), num_accepted, is_prefill, reason, None, requested)

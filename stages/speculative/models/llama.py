@@ -1,0 +1,201 @@
+"""Llama-family decoder runtime (Llama, Mistral, Qwen2) with a static per-slot KV cache and tree attention.
+
+The module tree mirrors Hugging Face's ``LlamaForCausalLM`` (``model.embed_tokens``, ``model.layers.N.self_attn.
+q_proj`` ...) so checkpoints load by name. Unlike HF, the forward takes explicit position ids, explicit KV cache
+columns and an explicit boolean attention mask: that is what token-tree verification needs (SpecInfer §4.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specstream.kernels.tree_attention import tree_attention
+from specstream.stages.speculative.models.config import DecoderConfig
+from specstream.stages.speculative.models.kv_cache import KVCache
+
+
+@dataclass
+class ForwardBatch:
+    """One decoder forward over a ragged batch (rows padded to ``T``).
+
+    Attributes:
+        slots: ``[B]`` KV cache slot of each row.
+        input_ids: ``[B, T]`` token ids (ignored where ``inputs_embeds`` is given).
+        position_ids: ``[B, T]`` RoPE positions (prefix length + depth in the tree).
+        write_index: ``[B, T]`` cache column receiving each token's key/value (scratch column for padding).
+        attn_mask: ``[B, T, S]`` bool over cache columns ``[0, S)``.
+        logit_index: ``[B, R]`` rows whose logits are returned (None: all ``T``).
+        inputs_embeds: ``[B, T, hidden]`` optional embeddings (visual tokens spliced in by a VLM).
+        attention_layers: layer indices whose attention probabilities are returned (``[B, Hq, T, S]`` each).
+    """
+
+    slots: torch.Tensor
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    write_index: torch.Tensor
+    attn_mask: torch.Tensor
+    logit_index: torch.Tensor | None = None
+    inputs_embeds: torch.Tensor | None = None
+    attention_layers: tuple[int, ...] = ()
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32 as HF Llama does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, key_len: int, mask: torch.Tensor):
+        bsz, t, _ = x.shape
+        q = self.q_proj(x).view(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache.write(self.layer, batch.slots, batch.write_index, k, v)
+        keys, values = cache.read(self.layer, batch.slots, key_len)
+        want = self.layer in batch.attention_layers
+        out, probs = tree_attention(q, keys, values, mask, self.head_dim**-0.5, return_probs=want)
+        out = out.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim)
+        return self.o_proj(out), probs
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, batch, key_len, mask):
+        attn, probs = self.self_attn(self.input_layernorm(x), cos, sin, cache, batch, key_len, mask)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, probs
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaDecoder(nn.Module):
+    """A Llama/Mistral/Qwen2 causal LM whose forward reads and writes a :class:`KVCache`.
+
+    Build with :func:`specstream.stages.speculative.models.loader.load_decoder`; call :meth:`forward_batch`.
+    """
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq, scaling = cfg.rope.inv_freq(cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.rope_scaling = scaling
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        cfg = self.config
+        return KVCache(
+            cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_len, cfg.head_dim, self.dtype, self.device
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[B, T, hidden]`` for ``input_ids`` ``[B, T]``."""
+        return self.model.embed_tokens(input_ids)
+
+    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids.float()[..., None] * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(dtype)[:, None]
+        sin = (emb.sin() * self.rope_scaling).to(dtype)[:, None]
+        return cos, sin
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, cache: KVCache, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run the decoder over ``batch``, writing its keys/values into ``cache``.
+
+        Returns:
+            ``(logits [B, R, vocab] float32, {layer: attention probs [B, Hq, T, S]})``.
+        """
+        if batch.input_ids.ndim != 2 or batch.attn_mask.ndim != 3:
+            raise ValueError("input_ids must be [B, T] and attn_mask [B, T, S]")
+        x = batch.inputs_embeds if batch.inputs_embeds is not None else self.embed(batch.input_ids)
+        x = x.to(self.dtype)
+        key_len = batch.attn_mask.shape[-1]
+        mask = batch.attn_mask
+        # remember the position id stored in every written column (sliding-window masks need it)
+        cache.positions[batch.slots[:, None], batch.write_index] = batch.position_ids
+        if self.config.sliding_window is not None:
+            key_pos = cache.positions[batch.slots, :key_len]
+            window = (batch.position_ids[:, :, None] - key_pos[:, None, :]) < self.config.sliding_window
+            mask = mask & window
+            mask[:, :, 0] |= ~mask.any(-1)
+        cos, sin = self._rope(batch.position_ids, x.dtype)
+        probs: dict[int, torch.Tensor] = {}
+        for layer in self.model.layers:
+            x, p = layer(x, cos, sin, cache, batch, key_len, mask)
+            if p is not None:
+                probs[layer.self_attn.layer] = p
+        if batch.logit_index is not None:
+            x = torch.gather(x, 1, batch.logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
+        x = self.model.norm(x)
+        return self.lm_head(x).float(), probs

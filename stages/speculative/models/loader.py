@@ -1,0 +1,217 @@
+"""Load Hugging Face checkpoints (``config.json`` + safetensors, sharded or not) from a directory or a hub id.
+
+A hub id is fetched with ``huggingface_hub`` only when the hub is reachable; offline, the error names the
+files that are missing and how to get them. Tensor names are mapped from the layouts found on disk:
+``model.layers.N...`` (causal LMs), ``language_model.model.*`` (older LLaVA files) and
+``model.language_model.*`` (transformers 5.x LLaVA).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specstream.errors import CheckpointNotFoundError, TokenizerMismatchError, UnsupportedArchitectureError
+from specstream.stages.speculative.models.config import DecoderConfig, decoder_config_from_dict
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*", "*.jinja",
+                 "generation_config.json", "special_tokens_map.json", "preprocessor_config.json",
+                 "processor_config.json", "chat_template.json"]
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A resolved checkpoint directory."""
+
+    path: Path
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        return json.loads((self.path / "config.json").read_text())
+
+    def text_config(self) -> dict[str, Any]:
+        """The decoder's config: the file itself for causal LMs, ``text_config`` for VLMs."""
+        cfg = self.config
+        return cfg["text_config"] if "text_config" in cfg else cfg
+
+    def decoder_config(self) -> DecoderConfig:
+        cfg = dict(self.text_config())
+        # a VLM keeps eos in the outer config sometimes
+        if cfg.get("eos_token_id") is None and self.config.get("eos_token_id") is not None:
+            cfg["eos_token_id"] = self.config["eos_token_id"]
+        return decoder_config_from_dict(cfg)
+
+    @cached_property
+    def generation_config(self) -> dict[str, Any]:
+        f = self.path / "generation_config.json"
+        return json.loads(f.read_text()) if f.exists() else {}
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """EOS ids: ``config.json``'s ``eos_token_id`` (text or outer config), else the generation config's."""
+        ids = self.decoder_config().eos_token_ids
+        if not ids:
+            value = self.generation_config.get("eos_token_id")
+            if value is not None:
+                ids = (value,) if isinstance(value, int) else tuple(value)
+        return ids
+
+    def has_tokenizer(self) -> bool:
+        return (self.path / "tokenizer.json").exists()
+
+    @cached_property
+    def tokenizer(self):
+        """The checkpoint's fast tokenizer (``tokenizers.Tokenizer``) or None when it ships none."""
+        f = self.path / "tokenizer.json"
+        if not f.exists():
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(f))
+
+    def weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({self.path / f for f in weight_map.values()})
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+        missing = [f.name for f in files if not f.exists()]
+        if not files or missing:
+            raise CheckpointNotFoundError(
+                f"checkpoint {self.path} has no usable weights: missing {missing or ['*.safetensors']}"
+            )
+        return files
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike) -> Checkpoint:
+    """Find a checkpoint: a local directory, or a hub id (downloaded only when the hub is reachable).
+
+    Raises:
+        CheckpointNotFoundError: not a directory with ``config.json`` and not obtainable from the hub.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise CheckpointNotFoundError(f"{path} is a directory but has no config.json")
+        return Checkpoint(path.resolve())
+    name = str(name_or_path)
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        raise CheckpointNotFoundError(f"{name!r} is neither a local checkpoint directory nor a hub id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        try:
+            local = snapshot_download(name, allow_patterns=_HUB_PATTERNS, local_files_only=True)
+        except Exception:
+            local = snapshot_download(name, allow_patterns=_HUB_PATTERNS)
+    except Exception as exc:  # offline, unknown repo, gated, ...
+        raise CheckpointNotFoundError(
+            f"cannot load {name!r}: it is not a local directory and the Hugging Face hub could not provide it "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Missing files: config.json, "
+            f"model*.safetensors (and tokenizer.json). On a machine with hub access run "
+            f"`huggingface-cli download {name} --local-dir DIR` and pass DIR instead."
+        ) from None
+    return resolve_checkpoint(local)
+
+
+_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def _decoder_key(key: str) -> str | None:
+    for old, new in _PREFIXES:
+        if key.startswith(old):
+            return new + key[len(old):]
+    if key.startswith(("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")):
+        return key
+    return None  # vision tower, projector, ...
+
+
+def load_state_dict(files: list[Path], key_map, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Read safetensors ``files``; keep tensors whose name ``key_map`` maps to a non-None name."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as fh:
+            for key in fh.keys():
+                new = key_map(key)
+                if new is not None:
+                    out[new] = fh.get_tensor(key)
+    return out
+
+
+def load_decoder(
+    checkpoint: Checkpoint | str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu"
+):
+    """Build a :class:`LlamaDecoder` from a checkpoint and load its weights (strict: every tensor must exist).
+
+    Raises:
+        CheckpointNotFoundError, UnsupportedArchitectureError.
+    """
+    from specstream.stages.speculative.models.llama import LlamaDecoder
+
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
+    cfg = ckpt.decoder_config()
+    state = load_state_dict(ckpt.weight_files(), _decoder_key, device)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        if "lm_head.weight" not in state and not cfg.tie_word_embeddings:
+            raise UnsupportedArchitectureError(f"{ckpt.path}: lm_head.weight missing and embeddings not tied")
+        state.pop("lm_head.weight", None)
+        cfg = DecoderConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
+    with torch.device("meta"):
+        model = LlamaDecoder(cfg)
+    model.to_empty(device=device)
+    inv_freq, _ = cfg.rope.inv_freq(cfg.head_dim)
+    model.inv_freq = inv_freq.float().to(device)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise UnsupportedArchitectureError(
+            f"{ckpt.path}: weights do not match a {cfg.model_type} decoder (missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]})"
+        )
+    model.tie_weights()
+    model.to(parse_dtype(dtype))
+    model.eval()
+    return model
+
+
+def check_same_tokenizer(target: Checkpoint, draft: Checkpoint) -> None:
+    """Raise :class:`TokenizerMismatchError` unless ``draft`` shares ``target``'s tokenizer.
+
+    With tokenizer files on both sides the vocabularies must be identical; otherwise the special ids
+    (bos/eos) must agree. A draft's embedding table may be larger than the vocabulary (padding).
+    """
+    tt, dt = target.tokenizer, draft.tokenizer
+    if tt is not None and dt is not None:
+        if tt.get_vocab(with_added_tokens=True) != dt.get_vocab(with_added_tokens=True):
+            raise TokenizerMismatchError(
+                f"draft {draft.path} does not share the target's tokenizer ({target.path}): vocabularies differ"
+            )
+        return
+    tc, dc = target.decoder_config(), draft.decoder_config()
+    if tc.eos_token_ids != dc.eos_token_ids or tc.bos_token_id != dc.bos_token_id:
+        raise TokenizerMismatchError(
+            f"draft {draft.path} and target {target.path} disagree on special tokens "
+            f"(eos {dc.eos_token_ids} vs {tc.eos_token_ids}, bos {dc.bos_token_id} vs {tc.bos_token_id})"
+        )
