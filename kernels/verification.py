@@ -134,3 +134,18 @@ def verify_stochastic(probs: torch.Tensor, tree: TokenTree, rng: random.Random) 
             return VerifyResult(tuple(path), tuple(tree.tokens[i] for i in path[1:]), bonus)
         path.append(accepted)
         node = accepted
+
+
+def verify_naive(probs: torch.Tensor, tree: TokenTree, rng: random.Random) -> VerifyResult:
+    """Naive sample-and-match (SpecInfer's baseline): sample from ``p`` at each node, descend if a child matches.
+
+    Exact in distribution too, but accepts less than :func:`verify_stochastic`. For comparisons and tests.
+    """
+    node, path = 0, [0]
+    while True:
+        tok = sample_from(probs[node].double().cpu().numpy(), rng)
+        child = tree.child(node, tok)
+        if child is None:
+            return VerifyResult(tuple(path), tuple(tree.tokens[i] for i in path[1:]), tok)
+        path.append(child)
+        node = child

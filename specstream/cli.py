@@ -1,2 +1,144 @@
-def main(argv=None):
-    return 0
+"""The ``specstream`` command line: one CLI, one subcommand per job. Heavy imports happen inside commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specstream.errors import SpecstreamError
+
+EXIT_INPUT_ERROR = 2
+
+
+def _prompt_list(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="decode prompts with token-tree speculative decoding",
+                       description="Generate tokens with a target model verifying draft token trees (SpecInfer).")
+    p.add_argument("--target", required=True, help="target checkpoint: local dir or hub id")
+    p.add_argument("--draft", action="append", default=[], help="draft checkpoint (repeat to merge several)")
+    p.add_argument("--ngram", action="store_true", help="add the n-gram (prompt lookup) drafter")
+    p.add_argument("--prompt-ids", type=_prompt_list, help="comma-separated prompt token ids")
+    p.add_argument("--prompt-ids-file", type=Path, help="JSONL file, one list of ids per line (one batch)")
+    p.add_argument("--prompt", help="prompt text (needs a tokenizer in the target checkpoint)")
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--mode", choices=["greedy", "sample"], default="greedy")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
+    p.add_argument("--tree", default="1,1,3,1,1,1,1,1",
+                   help="draft tree: widths per depth (SpecInfer default 1,1,3,1,1,1,1,1) or dynamic:NODES")
+    p.add_argument("--no-speculation", action="store_true", help="one token per target step, same runtime")
+    p.add_argument("--no-adaptive", action="store_true", help="always ask for the full tree")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-len", type=int, default=2048, help="context tokens per request slot")
+    p.add_argument("--num-slots", type=int, default=64, help="concurrent requests in the batch")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    from specstream.kernels.sampling import SamplingParams
+    from specstream.stages.speculative.drafters.model import TreeSpec
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+    prompts: list[list[int]] = []
+    if args.prompt_ids:
+        prompts.append(args.prompt_ids)
+    if args.prompt_ids_file:
+        for n, line in enumerate(args.prompt_ids_file.read_text().splitlines(), 1):
+            if line.strip():
+                ids = json.loads(line)
+                if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                    raise SpecstreamError(f"{args.prompt_ids_file}:{n}: expected a JSON list of integers")
+                prompts.append(ids)
+    try:
+        tree = TreeSpec.parse(args.tree)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    drafts = [] if args.no_speculation else list(args.draft)
+    ngram = False if args.no_speculation else (args.ngram or not args.draft)
+    config = EngineConfig(num_slots=max(1, min(args.num_slots, max(1, len(prompts) or 1))), max_len=args.max_len,
+                          tree=tree, adaptive=not args.no_adaptive)
+    engine = SpeculativeEngine.from_checkpoints(args.target, drafts, ngram=ngram, config=config, dtype=args.dtype,
+                                                device=args.device)
+    if args.prompt is not None:
+        if engine.tokenizer is None:
+            raise SpecstreamError(f"--prompt needs a tokenizer.json in {args.target}; use --prompt-ids instead")
+        prompts.insert(0, engine.tokenizer.encode(args.prompt).ids)
+    if not prompts:
+        print("error: give --prompt-ids, --prompt-ids-file or --prompt", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    reqs = []
+    for i, ids in enumerate(prompts):
+        sampling = SamplingParams(args.mode, args.temperature, args.top_k, args.top_p, args.seed + i)
+        reqs.append(engine.add_request(engine.make_request(ids, args.max_new_tokens, sampling,
+                                                           speculate=not args.no_speculation)))
+    engine.run()
+    for req in reqs:
+        record = {"tokens": req.output_ids, "finish_reason": req.finish_reason,
+                  "stats": {k: v for k, v in req.stats.to_dict().items()
+                            if k in ("target_steps", "accepted_per_step", "mean_accepted", "tau")}}
+        if req.error:
+            record["error"] = req.error
+        if engine.tokenizer is not None and args.prompt is not None:
+            record["text"] = engine.decode_text(req.output_ids)
+        if args.json:
+            print(json.dumps(record), flush=True)
+        else:
+            text = record.get("text")
+            print(f"[{req.request_id}] {req.finish_reason} tau={req.stats.tau:.2f} "
+                  f"steps={req.stats.target_steps} tokens={req.output_ids}" + (f"\n  {text!r}" if text else ""))
+    return 1 if any(r.error for r in reqs) else 0
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (results go to docs/benchmarks.md)")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    spec = bsub.add_parser("spec", help="speculative decoding vs no speculation vs Hugging Face generate")
+    spec.add_argument("--target", help="target checkpoint (default: a built-in random mid-size pair)")
+    spec.add_argument("--draft", action="append", default=[])
+    spec.add_argument("--prompts", type=int, default=4)
+    spec.add_argument("--max-new-tokens", type=int, default=64)
+    spec.add_argument("--out", type=Path, default=Path("docs/bench"), help="output dir for JSON and plots")
+    spec.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
+    spec.set_defaults(func=lambda a: _bench_spec(a))
+
+
+def _bench_spec(args) -> int:
+    from specstream.pipeline.bench_spec import main as bench_main
+
+    return bench_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specstream", description=__doc__)
+    from specstream import __version__
+
+    parser.add_argument("--version", action="version", version=f"specstream {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecstreamError as exc:
+        print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+    except KeyboardInterrupt:
+        return 130

@@ -180,6 +180,7 @@ class SpeculativeExecutor:
         req = row.work.request
         is_prefill = row.tree is None
         if not bool(torch.isfinite(logits).all()):
+            self.release(req.request_id, row.slot)
             return RequestStepResult(req.request_id, is_prefill=is_prefill, error={
                 "code": "numerical_error", "message": "the target produced NaN or infinite logits"})
         params = req.sampling
@@ -213,6 +214,9 @@ class SpeculativeExecutor:
             self.cache.compact(row.slot, row.prefix, [row.prefix + i for i in result.path[:keep]])
             for d in self.drafters:
                 d.observe(req.request_id, row.tree, result.path[:keep], new)
+        if reason is not None:
+            self.release(req.request_id, row.slot)  # finished: nothing of it stays cached
+            return RequestStepResult(req.request_id, tuple(new), num_accepted, is_prefill, reason, None, 1)
         requested = 1
         if req.speculate and self.drafters:
             budget = self._budget(req.request_id)

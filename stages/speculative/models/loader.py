@@ -210,7 +210,9 @@ def check_same_tokenizer(target: Checkpoint, draft: Checkpoint) -> None:
             )
         return
     tc, dc = target.decoder_config(), draft.decoder_config()
-    if tc.eos_token_ids != dc.eos_token_ids or tc.bos_token_id != dc.bos_token_id:
+    eos_differ = tc.eos_token_ids and dc.eos_token_ids and tc.eos_token_ids != dc.eos_token_ids
+    bos_differ = None not in (tc.bos_token_id, dc.bos_token_id) and tc.bos_token_id != dc.bos_token_id
+    if eos_differ or bos_differ:
         raise TokenizerMismatchError(
             f"draft {draft.path} and target {target.path} disagree on special tokens "
             f"(eos {dc.eos_token_ids} vs {tc.eos_token_ids}, bos {dc.bos_token_id} vs {tc.bos_token_id})"

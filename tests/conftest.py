@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny random checkpoints built from configs with fixed seeds, saved and reloaded.
+
+Random tiny models have near-ties in their logits; the output head is scaled up (x8, ``TinyDecoderSpec``) and
+:func:`assert_clear_greedy_path` checks, when a fixture is used for exactness, that the greedy path's top-2
+gaps exceed 1e-5, so exactness tests test the engine and not rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specstream.stages.speculative.models.tiny import (
+    TinyDecoderSpec,
+    build_tiny_decoder,
+    random_decoder_state,
+    save_checkpoint,
+)
+
+GAP = 1e-5
+
+
+class TinyModels:
+    """Paths of the tiny checkpoints of one test session."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.spec = TinyDecoderSpec(vocab_size=256, max_position_embeddings=256)
+        state = random_decoder_state(self.spec, seed=1)
+        self.target = save_checkpoint(root / "target", self.spec.config_dict(), state)
+        self.same = save_checkpoint(root / "same", self.spec.config_dict(), state)
+        self.noisy = build_tiny_decoder(root / "noisy", self.spec, seed=11, noise_from=state, noise=0.35)
+        self.random = build_tiny_decoder(root / "random", self.spec, seed=99)
+        small = TinyDecoderSpec(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+        self.small_random = build_tiny_decoder(root / "small", small, seed=5)
+        # a draft whose embedding table is padded beyond the tokenizer's size
+        padded = TinyDecoderSpec(vocab_size=320, max_position_embeddings=256)
+        self.padded = build_tiny_decoder(root / "padded", padded, seed=13)
+        self.sharded = save_checkpoint(root / "sharded", self.spec.config_dict(), state, shards=3)
+        eos_spec = TinyDecoderSpec(vocab_size=256, max_position_embeddings=256, eos_token_id=None)
+        self.eos_state = state
+        qwen = TinyDecoderSpec(model_type="qwen2", vocab_size=256, max_position_embeddings=256,
+                               tie_word_embeddings=True)
+        self.qwen = build_tiny_decoder(root / "qwen2", qwen, seed=3)
+        self._eos_spec = eos_spec
+
+    def with_eos(self, eos: int) -> Path:
+        """The target's weights with ``eos_token_id = eos`` (and a draft copy beside it)."""
+        path = self.root / f"target_eos{eos}"
+        if not path.exists():
+            cfg = self.spec.config_dict()
+            cfg["eos_token_id"] = eos
+            save_checkpoint(path, cfg, self.eos_state)
+        return path
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> TinyModels:
+    return TinyModels(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def hf_target(tiny):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny.target, dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """Hugging Face ``generate(do_sample=False)``: the oracle. Output cut after the first EOS."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=0 if eos is None else eos)
+    toks = out[0, len(prompt):].tolist()
+    if eos is not None and eos in toks:
+        toks = toks[: toks.index(eos) + 1]
+    return toks
+
+
+def assert_clear_greedy_path(model, prompt: list[int], tokens: list[int]) -> None:
+    """Fail the fixture (not the engine) when the greedy path has a near-tie (top-2 gap <= 1e-5)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:]
+    top2 = logits.topk(2, dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1])[: len(tokens)]
+    assert float(gaps.min()) > GAP, f"fixture near-tie: min top-2 gap {float(gaps.min()):.2e}"
+
+
+# Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP spin-waits make
+# them up to 20x slower. Benchmarks set their own thread count.
+torch.set_num_threads(1)

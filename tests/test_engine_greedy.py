@@ -1,0 +1,191 @@
+"""Greedy speculative decoding is lossless: identical, token for token, to Hugging Face greedy ``generate``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import assert_clear_greedy_path, hf_greedy
+from specstream.errors import ContextLengthError, InvalidRequestError, TokenizerMismatchError
+from specstream.stages.speculative.drafters.model import TreeSpec
+from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+G = torch.Generator().manual_seed(1234)
+PROMPTS = [torch.randint(0, 256, (n,), generator=G).tolist() for n in (1, 3, 7, 12, 20, 5)]
+REPETITIVE = [[5, 6, 7, 8] * 4, [1, 2, 3, 1, 2, 3, 1, 2], [9] * 6 + [10, 11] * 3]
+LENGTHS = (1, 2, 9, 24)
+
+
+@pytest.fixture(scope="module")
+def references(hf_target):
+    refs = {}
+    for prompt in PROMPTS + REPETITIVE:
+        full = hf_greedy(hf_target, prompt, max(LENGTHS))
+        assert_clear_greedy_path(hf_target, prompt, full)
+        refs[tuple(prompt)] = full
+    return refs
+
+
+def engine(tiny, drafts=(), ngram=False, tree="1,1,3,1,1,1,1,1", **kw):
+    paths = {"same": tiny.same, "noisy": tiny.noisy, "random": tiny.random, "padded": tiny.padded,
+             "small": tiny.small_random}
+    cfg = EngineConfig(**{"num_slots": 8, "max_len": 256, "tree": TreeSpec.parse(tree), **kw})
+    return SpeculativeEngine.from_checkpoints(tiny.target, [paths[d] for d in drafts], ngram=ngram, config=cfg)
+
+
+CASES = [
+    ("same", (["same"], False, "1,1,3,1,1,1,1,1")),
+    ("random", (["random"], False, "1,1,3,1,1,1,1,1")),
+    ("noisy", (["noisy"], False, "1,1,3,1,1,1,1,1")),
+    ("noisy-dynamic", (["noisy"], False, "dynamic:24")),
+    ("padded-vocab", (["padded"], False, "2,2,2")),
+    ("ngram", ([], True, "1,1,1,1,1,1")),
+    ("merged", (["noisy", "random"], True, "1,2,1,1")),
+    ("none", ([], False, "1")),
+]
+
+
+@pytest.mark.parametrize("name,case", CASES, ids=[c[0] for c in CASES])
+def test_greedy_output_identical_to_hf_generate(tiny, references, name, case):
+    drafts, ngram, tree = case
+    eng = engine(tiny, drafts, ngram, tree)
+    for n in LENGTHS:
+        prompts = PROMPTS + REPETITIVE
+        reqs = eng.generate(prompts, n)
+        for prompt, req in zip(prompts, reqs):
+            assert req.output_ids == references[tuple(prompt)][:n], (name, n, prompt)
+            assert req.finish_reason == "length"
+            assert req.stats.committed == n
+    if name == "same":
+        assert reqs[0].stats.mean_accepted > 5
+
+
+def test_draft_identical_to_target_commits_depth_plus_one_per_forward(tiny):
+    for depth in (1, 3, 6):
+        eng = engine(tiny, ["same"], tree=",".join(["1"] * depth), adaptive=False)
+        for n in (1, 2, 10, 17):
+            before = eng.target_forwards
+            reqs = eng.generate([PROMPTS[2]], n)
+            steps = 1 + math.ceil((n - 1) / (depth + 1))
+            assert reqs[0].stats.target_steps == steps
+            assert eng.target_forwards - before == steps
+            assert reqs[0].stats.accepted_per_step == [min(depth, n - 2 - k * (depth + 1)) for k in range(steps - 1)]
+
+
+def test_one_target_forward_per_step_for_the_whole_batch(tiny, references):
+    eng = engine(tiny, ["same"], tree="1,1,1,1", adaptive=False)
+    reqs = eng.generate(PROMPTS[:6], 21)
+    # all six prompts are admitted in the first step: 1 prefill forward + ceil(20/5) verify forwards in all
+    assert eng.target_forwards == 1 + 4
+    assert all(r.stats.target_steps == 5 for r in reqs)
+
+
+def test_batch_invariance_alone_vs_ragged_batch_of_8(tiny, references):
+    prompts = (PROMPTS + REPETITIVE)[:8]
+    for drafts, ngram in ((["noisy"], False), ([], True), (["noisy"], True)):
+        alone = [engine(tiny, drafts, ngram).generate([p], 24)[0].output_ids for p in prompts]
+        eng = engine(tiny, drafts, ngram)
+        batch = eng.generate(prompts, 24)
+        assert [r.output_ids for r in batch] == alone
+
+
+def test_requests_join_and_leave_between_steps(tiny, references):
+    eng = engine(tiny, ["noisy"], num_slots=3)
+    first = [eng.add_request(eng.make_request(p, 24)) for p in PROMPTS[:2]]
+    eng.step()
+    eng.step()
+    later = [eng.add_request(eng.make_request(p, n)) for p, n in zip(PROMPTS[2:], (5, 24, 9, 2))]
+    eng.run()
+    for req in first + later:
+        assert req.output_ids == references[tuple(req.prompt_ids)][: req.max_new_tokens]
+
+
+def test_merged_tree_tau_at_least_best_single_drafter(tiny):
+    prompts = REPETITIVE + PROMPTS[:3]
+    taus = {}
+    for name, drafts, ngram in (("noisy", ["noisy"], False), ("ngram", [], True), ("merged", ["noisy"], True)):
+        eng = engine(tiny, drafts, ngram, tree="1,1,3,1,1,1", adaptive=False)
+        reqs = eng.generate(prompts, 24)
+        taus[name] = sum(r.stats.committed for r in reqs) / sum(r.stats.target_steps for r in reqs)
+    assert taus["merged"] >= max(taus["noisy"], taus["ngram"]), taus
+
+
+def test_eos_inside_an_accepted_block_ends_output_there(tiny, hf_target):
+    prompt = PROMPTS[3]
+    free = hf_greedy(hf_target, prompt, 24)
+    eos = free[6]  # the 7th token: with a draft identical to the target it is inside an accepted block
+    first = free.index(eos)
+    path = tiny.with_eos(eos)
+    cfg = EngineConfig(num_slots=2, tree=TreeSpec.parse("1,1,1,1,1,1,1,1"), adaptive=False)
+    eng = SpeculativeEngine.from_checkpoints(path, [tiny.same], config=cfg)
+    assert eng.eos_token_ids == (eos,)
+    req = eng.generate([prompt], 24)[0]
+    assert req.output_ids == free[: first + 1] == hf_greedy(hf_target, prompt, 24, eos=eos)
+    assert req.finish_reason == "eos"
+    assert req.stats.accepted_per_step and max(req.stats.accepted_per_step) >= 1
+    # nothing after the EOS was cached: the slot was freed and its length reset
+    assert all(n == 0 for n in eng.executor.cache.lengths)
+
+
+def test_bad_inputs_are_clear_errors(tiny, tmp_path):
+    eng = engine(tiny, [])
+    with pytest.raises(InvalidRequestError, match="empty prompt"):
+        eng.make_request([], 4)
+    with pytest.raises(ContextLengthError):
+        eng.make_request([1] * 256, 4)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        eng.make_request([1, 999], 4)
+    with pytest.raises(InvalidRequestError):
+        eng.make_request([1], 0)
+
+
+def test_draft_with_different_tokenizer_is_rejected(tiny, tmp_path):
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    def train(text, path):
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+        tok.train_from_iterator([text] * 20, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok.save(str(path))
+
+    t_dir, d_dir = tmp_path / "t", tmp_path / "d"
+    shutil.copytree(tiny.target, t_dir)
+    shutil.copytree(tiny.same, d_dir)
+    train("the quick brown fox jumps over the lazy dog " * 10, t_dir / "tokenizer.json")
+    train("lorem ipsum dolor sit amet consectetur adipiscing " * 10, d_dir / "tokenizer.json")
+    with pytest.raises(TokenizerMismatchError, match="vocabularies differ"):
+        SpeculativeEngine.from_checkpoints(t_dir, [d_dir])
+    shutil.copy(t_dir / "tokenizer.json", d_dir / "tokenizer.json")
+    eng = SpeculativeEngine.from_checkpoints(t_dir, [d_dir])
+    assert eng.tokenizer is not None
+
+
+def test_nan_logits_fail_only_that_request(tiny, tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "nan"
+    shutil.copytree(tiny.target, bad)
+    state = load_file(str(bad / "model.safetensors"))
+    state["model.embed_tokens.weight"][250] = float("nan")
+    save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    eng = SpeculativeEngine.from_checkpoints(bad, [tiny.same], config=EngineConfig(num_slots=4))
+    good = eng.add_request(eng.make_request(PROMPTS[1], 12))
+    poisoned = eng.add_request(eng.make_request([3, 250, 4], 12))
+    eng.run()
+    assert poisoned.error["code"] == "numerical_error" and poisoned.finish_reason == "error"
+    assert good.error is None and len(good.output_ids) == 12
+
+
+def test_stream_yields_tokens_per_step(tiny, references):
+    eng = engine(tiny, ["same"], tree="1,1,1")
+    chunks = list(eng.stream(PROMPTS[4], 10))
+    assert chunks[0] == tuple(references[tuple(PROMPTS[4])][:1])
+    assert [t for c in chunks for t in c] == references[tuple(PROMPTS[4])][:10]
+    assert [len(c) for c in chunks] == [1, 4, 4, 1]
