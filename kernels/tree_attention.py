@@ -6,6 +6,7 @@ caller (:func:`build_tree_mask`) so one kernel serves prefill chains, target ver
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,15 +30,15 @@ def build_tree_mask(
         ``[B, T, S]`` bool. Padded rows (``i >= T_b``) see column 0 only, so their softmax is finite.
     """
     batch = len(ancestor_masks)
-    mask = torch.zeros((batch, num_queries, num_keys), dtype=torch.bool)
-    cols = torch.arange(num_keys)
+    mask = np.zeros((batch, num_queries, num_keys), dtype=bool)
+    prefix = [int(x) for x in prefix_lengths]
     for b, anc in enumerate(ancestor_masks):
-        length = int(prefix_lengths[b])
+        length = prefix[b]
         t_b = anc.shape[0]
-        mask[b, :t_b] = cols < length
-        mask[b, :t_b, length : length + t_b] = anc
+        mask[b, :t_b, :length] = True
+        mask[b, :t_b, length : length + t_b] = anc.numpy() if isinstance(anc, torch.Tensor) else anc
         mask[b, t_b:, 0] = True
-    return mask
+    return torch.from_numpy(mask)
 
 
 def tree_attention(

@@ -99,12 +99,10 @@ def verify_stochastic(probs: torch.Tensor, tree: TokenTree, rng: random.Random) 
         The accepted path and the bonus token; the emitted tokens follow the target's distribution exactly.
     """
     node, path = 0, [0]
-    rows: dict[int, np.ndarray] = {}
+    table = probs.double().cpu().numpy() if isinstance(probs, torch.Tensor) else probs
 
     def row(i: int) -> np.ndarray:
-        if i not in rows:
-            rows[i] = probs[i].double().cpu().numpy()
-        return rows[i]
+        return table[i]
 
     while True:
         p = row(node)

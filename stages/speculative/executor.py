@@ -13,6 +13,7 @@ import random
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specstream.kernels.sampling import target_probs
@@ -130,9 +131,10 @@ class SpeculativeExecutor:
                              list(range(base, base + t)), ct.ancestor_mask, base, list(range(t)), tree, work))
         t_verify = time.perf_counter()
         logits = self._target_forward(rows)
+        dists = self._target_distributions(rows, logits)
         results = []
         for i, row in enumerate(rows):
-            results.append(self._commit(row, logits[i, : len(row.logit_rows)]))
+            results.append(self._commit(row, logits[i, : len(row.logit_rows)], dists[i]))
         verify_s = time.perf_counter() - t_verify
         n_dec = max(1, len(plan.decodes))
         results = [
@@ -148,16 +150,17 @@ class SpeculativeExecutor:
         t = max(len(r.tokens) for r in rows)
         r_max = max(len(r.logit_rows) for r in rows)
         key_len = max(r.prefix + len(r.tokens) for r in rows)
-        ids = torch.zeros((b, t), dtype=torch.long)
-        pos = torch.zeros((b, t), dtype=torch.long)
-        cols = torch.full((b, t), self.cache.scratch, dtype=torch.long)
-        lidx = torch.zeros((b, r_max), dtype=torch.long)
+        ids = np.zeros((b, t), dtype=np.int64)
+        pos = np.zeros((b, t), dtype=np.int64)
+        cols = np.full((b, t), self.cache.scratch, dtype=np.int64)
+        lidx = np.zeros((b, r_max), dtype=np.int64)
         for i, r in enumerate(rows):
             n = len(r.tokens)
-            ids[i, :n] = torch.tensor(r.tokens)
-            pos[i, :n] = torch.tensor(r.positions)
-            cols[i, :n] = torch.tensor(r.columns)
-            lidx[i, : len(r.logit_rows)] = torch.tensor(r.logit_rows)
+            ids[i, :n] = r.tokens
+            pos[i, :n] = r.positions
+            cols[i, :n] = r.columns
+            lidx[i, : len(r.logit_rows)] = r.logit_rows
+        ids, pos, cols, lidx = (torch.from_numpy(a) for a in (ids, pos, cols, lidx))
         mask = build_tree_mask(torch.tensor([r.prefix for r in rows]), [r.ancestor for r in rows], key_len, t)
         embeds = None
         if any(r.tree is None and r.request_id in self.prefix_embeds for r in rows):
@@ -175,26 +178,48 @@ class SpeculativeExecutor:
         self.target_forwards += 1
         return logits.cpu()
 
-    def _commit(self, row: _Row, logits: torch.Tensor) -> RequestStepResult:
-        """Verify one row's logits ``[R, V]`` and commit its tokens (KV commit included)."""
+    @staticmethod
+    def _target_distributions(rows: list[_Row], logits: torch.Tensor) -> list[torch.Tensor]:
+        """Per row: argmax ids ``[R]`` (greedy rows) or target distributions ``[R, V]`` float64 (sample rows),
+        computed batched per distinct sampling parameters; rows with non-finite logits get None."""
+        finite = torch.isfinite(logits).all(-1)  # [B, R]
+        out: list = [None] * len(rows)
+        groups: dict[tuple, list[int]] = {}
+        for i, row in enumerate(rows):
+            if not bool(finite[i, : len(row.logit_rows)].all()):
+                continue
+            sp = row.work.request.sampling
+            groups.setdefault(("greedy",) if sp.greedy else (sp.temperature, sp.top_k, sp.top_p), []).append(i)
+        for key, idx in groups.items():
+            sel = logits[idx]
+            if key == ("greedy",):
+                dist = sel.argmax(-1)
+            else:
+                flat = sel.reshape(-1, sel.shape[-1]).nan_to_num(neginf=-1e30, posinf=1e30)
+                dist = target_probs(flat, rows[idx[0]].work.request.sampling).reshape(sel.shape)
+            for j, i in enumerate(idx):
+                out[i] = dist[j, : len(rows[i].logit_rows)]
+        return out
+
+    def _commit(self, row: _Row, logits: torch.Tensor, dist: torch.Tensor | None) -> RequestStepResult:
+        """Verify one row (``dist``: argmax ids or target distributions of its ``R`` logit rows) and commit."""
         req = row.work.request
         is_prefill = row.tree is None
-        if not bool(torch.isfinite(logits).all()):
+        if dist is None:
             self.release(req.request_id, row.slot)
             return RequestStepResult(req.request_id, is_prefill=is_prefill, error={
                 "code": "numerical_error", "message": "the target produced NaN or infinite logits"})
         params = req.sampling
         if is_prefill:
             if params.greedy:
-                first = int(logits[-1].argmax())
+                first = int(dist[-1])
             else:
-                first = sample_from(target_probs(logits[-1:], params)[0].numpy(),
-                                    self._rng(req.request_id, params.seed))
+                first = sample_from(dist[-1].numpy(), self._rng(req.request_id, params.seed))
             result = VerifyResult((), (), first)
         elif params.greedy:
-            result = verify_greedy(logits.argmax(-1).tolist(), row.tree)
+            result = verify_greedy(dist.tolist(), row.tree)
         else:
-            result = verify_stochastic(target_probs(logits, params), row.tree, self._rng(req.request_id, params.seed))
+            result = verify_stochastic(dist, row.tree, self._rng(req.request_id, params.seed))
         proposed = list(result.accepted_tokens) + [result.bonus_token]
         limit = min(req.remaining, self.max_len - len(req.context))
         new, reason = [], None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -186,24 +187,24 @@ class TokenTree:
     def compile(self) -> CompiledTree:
         """Tensors for one verification step (see :class:`CompiledTree`)."""
         n = len(self.tokens)
-        anc = torch.zeros((n, n), dtype=torch.bool)
+        anc = np.zeros((n, n), dtype=bool)
         for i in range(n):
-            anc[i, i] = True
             p = self.parents[i]
             if p >= 0:
-                anc[i] |= anc[p]
+                anc[i] = anc[p]
+            anc[i, i] = True
         leaves = [i for i in range(n) if not self.children[i]]
         width = max(self.depths) + 1
-        paths = torch.full((len(leaves), width), -1, dtype=torch.long)
+        paths = np.full((len(leaves), width), -1, dtype=np.int64)
         for r, leaf in enumerate(leaves):
             p = self.path_to(leaf)
-            paths[r, : len(p)] = torch.tensor(p)
+            paths[r, : len(p)] = p
         return CompiledTree(
             tokens=torch.tensor(self.tokens, dtype=torch.long),
             parents=torch.tensor(self.parents, dtype=torch.long),
             depths=torch.tensor(self.depths, dtype=torch.long),
-            ancestor_mask=anc,
-            leaf_paths=paths,
+            ancestor_mask=torch.from_numpy(anc),
+            leaf_paths=torch.from_numpy(paths),
             children=tuple(tuple(c) for c in self.children),
         )
 

@@ -20,6 +20,7 @@ import math
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specstream.kernels.sampling import SamplingParams, warp_logits
@@ -111,53 +112,77 @@ class ModelDrafter(Drafter):
         self.forwards = 0
 
     # -- distributions -----------------------------------------------------------------------------------
-    def _children(self, logits: torch.Tensor, width: int, sampling: SamplingParams, rng: random.Random):
-        """Pick ``width`` children from one node's draft logits ``[V_draft]``: list of (token, proposal, logp)."""
-        logits = logits[: self.vocab_limit]
+    def _distributions(self, logits: torch.Tensor, sampling: list[SamplingParams]) -> list[np.ndarray]:
+        """Per row, the draft's next-token distributions ``[t, V]`` as numpy: log-probabilities (greedy rows)
+        or ``q`` over the target's vocabulary after the request's warpers (sample rows). Batched per
+        distinct sampling parameters."""
+        logits = logits[..., : self.vocab_limit].float()
+        out: list[np.ndarray | None] = [None] * len(sampling)
+        groups: dict[tuple, list[int]] = {}
+        for i, sp in enumerate(sampling):
+            key = ("greedy",) if sp.greedy else (sp.temperature, sp.top_k, sp.top_p)
+            groups.setdefault(key, []).append(i)
+        for key, idx in groups.items():
+            sel = logits[idx]
+            if key == ("greedy",):
+                dist = torch.log_softmax(sel, -1)
+            else:
+                flat = sel.reshape(-1, sel.shape[-1])
+                q = torch.softmax(warp_logits(flat, sampling[idx[0]]).double(), -1).reshape(sel.shape)
+                n = min(self.target_vocab, q.shape[-1])
+                dist = torch.zeros(sel.shape[:-1] + (self.target_vocab,), dtype=torch.float64)
+                dist[..., :n] = q[..., :n]
+                dist /= dist.sum(-1, keepdim=True)
+            arr = dist.numpy()
+            for j, i in enumerate(idx):
+                out[i] = arr[j]
+        return out
+
+    def _children(self, dist: np.ndarray, width: int, sampling: SamplingParams, rng: random.Random):
+        """Pick ``width`` children from one node's draft distribution: list of (token, proposal, logp)."""
         if sampling.greedy:
-            logp = torch.log_softmax(logits.float(), -1)
-            vals, idx = torch.topk(logp, min(width, logp.shape[0]))
+            k = min(width, dist.shape[0])
+            idx = np.argsort(-dist, kind="stable")[:k]
             det = Proposal(ProposalKind.DETERMINISTIC, drafter=self.name)
-            return [(int(i), det, float(v)) for v, i in zip(vals, idx)]
-        q = torch.softmax(warp_logits(logits[None], sampling)[0].double(), -1)
-        q_full = torch.zeros(self.target_vocab, dtype=torch.float64)
-        n = min(self.target_vocab, q.shape[0])
-        q_full[:n] = q[:n]
-        q_full /= q_full.sum()
-        prop = Proposal(ProposalKind.SAMPLED, drafter=self.name, q=q_full)
-        cdf = torch.cumsum(q_full, 0)
+            return [(int(i), det, float(dist[i])) for i in idx]
+        prop = Proposal(ProposalKind.SAMPLED, drafter=self.name, q=dist)
+        cdf = np.cumsum(dist)
         out = []
         for _ in range(width):
-            u = rng.random() * float(cdf[-1])
-            tok = min(int(torch.searchsorted(cdf, torch.tensor(u, dtype=torch.float64), right=True)), n - 1)
-            out.append((tok, prop, math.log(max(float(q_full[tok]), 1e-300))))
+            tok = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), dist.shape[0] - 1)
+            out.append((tok, prop, math.log(max(float(dist[tok]), 1e-300))))
         return out
 
     # -- forwards ------------------------------------------------------------------------------------------
-    def _forward(self, rows: list[tuple[int, list[int], list[int], list[int], list[list[int]], int]]):
-        """rows: (slot, tokens, positions, columns, visible-columns-per-token, prefix_len). Returns logits list."""
+    def _forward(self, rows: list[tuple[int, list[int], list[int], list[int], list[list[int]], int]],
+                 sampling: list[SamplingParams]) -> list[np.ndarray]:
+        """rows: (slot, tokens, positions, columns, visible-columns-per-token, prefix_len).
+
+        Returns per row the distributions ``[len(tokens), V]`` (see :meth:`_distributions`)."""
         device = self.model.device
         b = len(rows)
         t = max(len(r[1]) for r in rows)
         key_len = max(max(r[3]) + 1 for r in rows)
-        ids = torch.zeros((b, t), dtype=torch.long)
-        pos = torch.zeros((b, t), dtype=torch.long)
-        cols = torch.full((b, t), self.cache.scratch, dtype=torch.long)
-        mask = torch.zeros((b, t, key_len), dtype=torch.bool)
-        slots = torch.tensor([r[0] for r in rows], dtype=torch.long)
+        ids = np.zeros((b, t), dtype=np.int64)
+        pos = np.zeros((b, t), dtype=np.int64)
+        cols = np.full((b, t), self.cache.scratch, dtype=np.int64)
+        mask = np.zeros((b, t, key_len), dtype=bool)
         for i, (slot, toks, p, c, vis, prefix) in enumerate(rows):
             n = len(toks)
-            ids[i, :n] = torch.tensor(toks)
-            pos[i, :n] = torch.tensor(p)
-            cols[i, :n] = torch.tensor(c)
+            ids[i, :n] = toks
+            pos[i, :n] = p
+            cols[i, :n] = c
             mask[i, :n, :prefix] = True
             for j, v in enumerate(vis):
                 mask[i, j, v] = True
             mask[i, n:, 0] = True
-        batch = ForwardBatch(slots.to(device), ids.to(device), pos.to(device), cols.to(device), mask.to(device))
+        slots = torch.tensor([r[0] for r in rows], dtype=torch.long, device=device)
+        batch = ForwardBatch(slots, torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device),
+                             torch.from_numpy(cols).to(device), torch.from_numpy(mask).to(device))
         logits, _ = self.model.forward_batch(self.cache, batch)
         self.forwards += 1
-        return [logits[i, : len(r[1])].float().cpu() for i, r in enumerate(rows)]
+        dists = self._distributions(logits.cpu(), sampling)
+        return [d[: len(r[1])] for d, r in zip(dists, rows)]
 
     def propose(self, inputs: list[DraftInput]) -> list[TokenTree]:
         if not inputs:
@@ -173,10 +198,10 @@ class ModelDrafter(Drafter):
             catch = inp.context[length:]
             columns = list(range(length, len(inp.context)))
             rows.append((inp.slot, catch, columns, columns, [columns[: j + 1] for j in range(len(catch))], length))
-        logits = self._forward(rows)
+        logits = self._forward(rows, [inp.sampling for inp in inputs])
         for inp in inputs:
             self.cache.lengths[inp.slot] = len(inp.context)
-        frontier: list[list[tuple[_Node, torch.Tensor]]] = [
+        frontier: list[list[tuple[_Node, np.ndarray]]] = [
             [(_Node(0, len(inp.context) - 1, 0.0), lg[-1])] for inp, lg in zip(inputs, logits)
         ]
         nodes: list[dict[int, _Node]] = [{0: fr[0][0]} for fr in frontier]
@@ -212,7 +237,7 @@ class ModelDrafter(Drafter):
                     cols.append(node.column)
                     vis.append([nodes[i][p].column for p in path])
                 new_rows.append((inp.slot, toks, pos, cols, vis, len(inp.context)))
-            out = self._forward(new_rows)
+            out = self._forward(new_rows, [inputs[i].sampling for i, _ in new_nodes])
             for (i, created), lg in zip(new_nodes, out):
                 frontier[i] = [(node, lg[j]) for j, node in enumerate(created)]
         for i, inp in enumerate(inputs):
@@ -226,7 +251,8 @@ class ModelDrafter(Drafter):
         if spec.dynamic_nodes:
             cands = []
             for node, lg in frontier:
-                for tok, prop, logp in self._children(lg, spec.beam, _GREEDY, inp.rng):
+                logp = lg if inp.sampling.greedy else np.log(np.maximum(lg, 1e-300))
+                for tok, prop, logp in self._children(logp, spec.beam, _GREEDY, inp.rng):
                     cands.append((node.cum_logprob + logp, node.tree_index, tok, prop))
             cands.sort(key=lambda c: -c[0])
             for cum, parent, tok, prop in cands[: spec.beam]:
