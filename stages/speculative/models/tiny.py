@@ -136,3 +136,14 @@ def build_tiny_decoder(path: str | Path, spec: TinyDecoderSpec = TinyDecoderSpec
     """Create a tiny random decoder checkpoint at ``path`` (a noised copy of ``noise_from`` if given)."""
     state = random_decoder_state(spec, seed) if noise_from is None else noised_state(noise_from, noise, seed)
     return save_checkpoint(path, spec.config_dict(), state, tokenizer_files, shards)
+
+
+def layer_skip_state(state: dict[str, np.ndarray], keep_layers: int) -> dict[str, np.ndarray]:
+    """A self-speculative draft (LayerSkip-style): the target's first ``keep_layers`` layers, embeddings and head."""
+    out = {}
+    for k, a in state.items():
+        if k.startswith("model.layers."):
+            if int(k.split(".")[2]) >= keep_layers:
+                continue
+        out[k] = a
+    return out
