@@ -108,7 +108,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="specstream bench scheduler", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="output directory (created)")
     ap.add_argument("--duration-s", type=float, default=20.0, help="seconds of arrivals")
-    ap.add_argument("--scale", type=float, default=1.0, help="multiplies every arrival rate")
+    ap.add_argument("--scale", type=float, default=2.0, help="multiplies every arrival rate (2.0: overloaded)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--profile", default="h200-est", help="cost profile: h200-est (estimated) or cpu-2core")
     args = ap.parse_args(argv)

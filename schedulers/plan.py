@@ -136,10 +136,15 @@ class PrefillWork:
 
     request: Request
     slot: int
+    num_tokens: int = -1  # tokens to prefill; set from the request's context when the plan is made
+
+    def __post_init__(self):
+        if self.num_tokens < 0:
+            object.__setattr__(self, "num_tokens", len(self.request.context))
 
     @property
     def tokens(self) -> list[int]:
-        return self.request.context
+        return self.request.context[: self.num_tokens]
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,8 @@ def test_live_engine_and_simulator_make_the_same_plans(ckpts):
     events = [TraceEvent(t_ms=t, id=f"{q}{i}", qos=q, deadline_ms=d, prompt_tokens=p, max_new_tokens=m,
                          acceptance=1.0)
               for i, (t, q, d, p, m) in enumerate([
-                  (0, "batch", 60000, 20, 30), (0, "batch", 60000, 14, 25), (5, "interactive", 2000, 10, 12),
-                  (40, "batch", 60000, 30, 20), (60, "realtime", 300, 8, 6), (61, "batch", 60000, 12, 18),
+                  (0, "batch", 60000, 20, 70), (0, "batch", 60000, 14, 60), (5, "interactive", 2000, 10, 12),
+                  (10, "batch", 60000, 30, 60), (60, "realtime", 300, 8, 6), (61, "batch", 60000, 12, 18),
                   (90, "interactive", 1000, 16, 10), (150, "realtime", 300, 9, 5)])]
     qos = QosConfig(num_slots=4, max_len=128, reserved_realtime_slots=0, token_budget=160, max_nodes_per_request=6,
                     spec_token_limit=14)
