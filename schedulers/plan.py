@@ -14,9 +14,29 @@ from specstream.kernels.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # queued: encode pending, or waiting for a slot (new or preempted)
     RUNNING = "running"
     FINISHED = "finished"
+
+
+#: QoS classes, highest priority first (issue 4).
+QOS_CLASSES: tuple[str, ...] = ("realtime", "interactive", "batch")
+
+
+@dataclass(frozen=True)
+class EncodeItem:
+    """One piece of media a request needs encoded before its prefill (tensor-free: the executor's encoder
+    registry knows where the pixels or samples are, by ``item_id``).
+
+    Attributes:
+        item_id: unique id (the executor's key for the media and for the encoder output).
+        modality: encoder name in the executor's registry, e.g. ``"image"`` or ``"audio"``.
+        units: work size for the cost model: images for ``"image"``, seconds of audio for ``"audio"``.
+    """
+
+    item_id: str
+    modality: str
+    units: float = 1.0
 
 
 @dataclass
@@ -67,6 +87,9 @@ class Request:
         speculate: False decodes one token per target step.
         qos, deadline_s: QoS class and absolute deadline (monotonic seconds) for QoS schedulers.
         prefix_embeds_key: opaque key of precomputed input embeddings (VLM visual tokens) held by the executor.
+        encodes: media to encode before the prefill (QoS scheduler; the FIFO scheduler ignores it).
+        preemptions: times the request lost its KV cache to a higher class or memory pressure; it then waits,
+            and resumes by prefilling ``prompt_ids + output_ids`` (:attr:`PrefillWork.tokens`).
     """
 
     request_id: str
@@ -79,6 +102,7 @@ class Request:
     deadline_s: float | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     prefix_embeds_key: str | None = None
+    encodes: tuple[EncodeItem, ...] = ()
     # state
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
@@ -87,6 +111,7 @@ class Request:
     error: dict | None = None
     requested_nodes: int = 1
     stats: RequestStats = field(default_factory=RequestStats)
+    preemptions: int = 0
 
     @property
     def context(self) -> list[int]:
@@ -103,10 +128,40 @@ class Request:
 
 @dataclass(frozen=True)
 class PrefillWork:
-    """Prefill ``request`` into ``slot``: one forward over the prompt yields the first token."""
+    """Prefill ``request`` into ``slot``: one forward over :attr:`tokens` yields the next token.
+
+    For a new request ``tokens`` is the prompt; for one resuming after preemption it is the prompt plus the
+    tokens committed before it lost its KV cache (recompute), so the resumed output continues unchanged.
+    """
 
     request: Request
     slot: int
+    num_tokens: int = -1  # tokens to prefill; set from the request's context when the plan is made
+
+    def __post_init__(self):
+        if self.num_tokens < 0:
+            object.__setattr__(self, "num_tokens", len(self.request.context))
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.context[: self.num_tokens]
+
+
+@dataclass(frozen=True)
+class EncodeWork:
+    """One encoder batch: every item has the same ``modality``; ``items`` are in priority order.
+
+    Attributes:
+        modality: encoder name in the executor's registry.
+        items: the media to encode, each tagged with the request it belongs to.
+    """
+
+    modality: str
+    items: tuple[tuple[str, EncodeItem], ...]  # (request id, item)
+
+    @property
+    def units(self) -> float:
+        return sum(item.units for _, item in self.items)
 
 
 @dataclass(frozen=True)
@@ -122,20 +177,27 @@ class DecodeWork:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What the executor runs this step: prefills and decode steps, all in one target forward."""
+    """What the executor runs this step: encoder batches, then prefills and decode steps in one target forward.
+
+    ``released`` slots belong to finished requests: drop all their executor state. ``preempted`` slots belong
+    to requests that will resume later: free their KV cache (target and drafters) but keep their random
+    streams, adaptive tree budgets and prefix embeddings. The executor handles both before anything else.
+    """
 
     step: int
     prefills: tuple[PrefillWork, ...] = ()
     decodes: tuple[DecodeWork, ...] = ()
     released: tuple[tuple[str, int], ...] = ()  # (request id, slot) whose executor state must be dropped
+    encodes: tuple[EncodeWork, ...] = ()
+    preempted: tuple[tuple[str, int], ...] = ()  # (request id, slot) whose KV cache must be freed
 
     @property
     def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+        return not self.prefills and not self.decodes and not self.encodes
 
     @property
     def num_nodes(self) -> int:
-        return sum(len(p.request.prompt_ids) for p in self.prefills) + sum(d.node_budget for d in self.decodes)
+        return sum(len(p.tokens) for p in self.prefills) + sum(d.node_budget for d in self.decodes)
 
 
 @dataclass(frozen=True)
@@ -162,6 +224,15 @@ class RequestStepResult:
 
 
 @dataclass(frozen=True)
+class EncodeResult:
+    """One encoded item; ``error`` (``{"code", "message"}``) fails the request it belongs to."""
+
+    request_id: str
+    item_id: str
+    error: dict | None = None
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """The executor's answer to a :class:`StepPlan`."""
 
@@ -170,3 +241,4 @@ class StepOutput:
     target_forwards: int
     nodes_verified: int
     duration_s: float
+    encoded: tuple[EncodeResult, ...] = ()

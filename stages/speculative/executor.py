@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,14 @@ import torch
 from specstream.kernels.sampling import target_probs
 from specstream.kernels.tree_attention import build_tree_mask
 from specstream.kernels.verification import VerifyResult, sample_from, verify_greedy, verify_stochastic
-from specstream.schedulers.plan import DecodeWork, RequestStepResult, StepOutput, StepPlan
+from specstream.schedulers.plan import (
+    DecodeWork,
+    EncodeResult,
+    EncodeWork,
+    RequestStepResult,
+    StepOutput,
+    StepPlan,
+)
 from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
 from specstream.stages.speculative.tree import TokenTree
@@ -63,6 +71,9 @@ class SpeculativeExecutor:
         self._budgets: dict[str, AdaptiveBudget] = {}
         self.target_forwards = 0
         self.prefix_embeds: dict[str, torch.Tensor] = {}
+        #: encoder registry: modality -> callable run on each :class:`EncodeWork` of that modality. It encodes
+        #: the items (found by ``item_id``) and may store ``prefix_embeds`` for their requests.
+        self.encoders: dict[str, Callable[[EncodeWork], None]] = {}
 
     # -- bookkeeping ----------------------------------------------------------------------------------------
     def release(self, request_id: str, slot: int) -> None:
@@ -72,6 +83,28 @@ class SpeculativeExecutor:
         self._rngs.pop(request_id, None)
         self._budgets.pop(request_id, None)
         self.prefix_embeds.pop(request_id, None)
+
+    def preempt(self, request_id: str, slot: int) -> None:
+        """Free a preempted request's KV cache (target and drafters); keep what its resume needs: the random
+        stream, the adaptive tree budget and the prefix embeddings."""
+        self.cache.reset(slot)
+        for d in self.drafters:
+            d.release(request_id, slot)
+
+    def _encode(self, works: tuple[EncodeWork, ...]) -> tuple[EncodeResult, ...]:
+        results = []
+        for work in works:
+            encoder = self.encoders.get(work.modality)
+            error = None
+            if encoder is None:
+                error = {"code": "invalid_request", "message": f"no encoder registered for {work.modality!r}"}
+            else:
+                try:
+                    encoder(work)
+                except Exception as exc:  # one failed batch fails its requests, not the engine
+                    error = {"code": "internal_error", "message": f"{work.modality} encoder failed: {exc}"}
+            results.extend(EncodeResult(rid, item.item_id, error) for rid, item in work.items)
+        return tuple(results)
 
     def _rng(self, request_id: str, seed: int) -> random.Random:
         if request_id not in self._rngs:
@@ -111,15 +144,19 @@ class SpeculativeExecutor:
         t_start = time.perf_counter()
         for request_id, slot in plan.released:
             self.release(request_id, slot)
-        if plan.empty:
-            return StepOutput(plan.step, (), 0, 0, 0.0)
+        for request_id, slot in plan.preempted:
+            self.preempt(request_id, slot)
+        encoded = self._encode(plan.encodes)
+        if not plan.prefills and not plan.decodes:
+            return StepOutput(plan.step, (), 0, 0, time.perf_counter() - t_start, encoded)
         trees, draft_s = self._draft(plan.decodes)
         rows: list[_Row] = []
         for work in plan.prefills:
             req = work.request
-            n = len(req.prompt_ids)
+            tokens = work.tokens  # prompt, + committed output when resuming after preemption
+            n = len(tokens)
             self.cache.reset(work.slot)
-            rows.append(_Row(req.request_id, work.slot, list(req.prompt_ids), list(range(n)), list(range(n)),
+            rows.append(_Row(req.request_id, work.slot, list(tokens), list(range(n)), list(range(n)),
                              torch.ones((n, n), dtype=torch.bool).tril_(), 0, [n - 1], None, work))
         for work in plan.decodes:
             req = work.request
@@ -142,7 +179,7 @@ class SpeculativeExecutor:
             for r in results
         ]
         return StepOutput(plan.step, tuple(results), 1, sum(len(r.tokens) for r in rows),
-                          time.perf_counter() - t_start)
+                          time.perf_counter() - t_start, encoded)
 
     def _target_forward(self, rows: list[_Row]) -> torch.Tensor:
         device = self.target.device

@@ -1,0 +1,150 @@
+"""Cost model of one engine step: per-op latency as a function of batch size, tokens, images and audio seconds.
+
+The simulator advances its virtual clock by :meth:`CostModel.plan_s` per :class:`~specstream.schedulers.plan.
+StepPlan`; the QoS scheduler uses the same model to decide whether speculation pays. Two profiles ship:
+
+- ``cpu-2core``: meant to be **measured** on this project's 2-core CPU machine by
+  ``python -m specstream.schedulers.calibrate`` (a mid-size random Llama, hidden 512, 8 layers, vocab 8192,
+  with a same-weights draft; a random CLIP ViT-B/32 tower; a random Whisper tiny encoder). The one calibration
+  run so far shared the CPUs with other jobs (load average 4-7 on 2 cores) and its points were too noisy to
+  fit, so the numbers below are provisional hand-set values of the right order; rerun the calibration on a
+  quiet machine and paste its fit here.
+- ``h200-est``: **estimated, not measured** (no GPU run was available): a roofline for a Llama-2-7B-class
+  target in bfloat16 on one H200 (4.8 TB/s HBM, ~990 dense TFLOPS bf16 peak, ~50 % achieved), a 68M-parameter
+  draft, CLIP ViT-L/14-336 for images and the Whisper large-v3 encoder for audio.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from specstream.schedulers.plan import StepPlan
+
+
+@dataclass(frozen=True)
+class EncodeCost:
+    """Latency of one encoder batch: ``fixed_s + per_quantum_s * sum(ceil(units / quantum))`` over its items.
+
+    Images: ``quantum`` 1 (one forward per image). Whisper audio: ``quantum`` 30 (seconds): every item is padded
+    to whole 30-s windows, whatever its length.
+    """
+
+    fixed_s: float
+    per_quantum_s: float
+    quantum: float = 1.0
+
+    def batch_s(self, units: list[float]) -> float:
+        if not units:
+            return 0.0
+        return self.fixed_s + self.per_quantum_s * sum(max(1, math.ceil(u / self.quantum - 1e-9)) for u in units)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-step latency in seconds.
+
+    target forward = ``step_fixed_s + per_row_s * rows + per_token_s * tokens + per_kv_token_s * kv_tokens``
+    where ``rows`` = requests in the forward, ``tokens`` = prefill tokens + tree nodes verified,
+    ``kv_tokens`` = cached tokens attended by the decode rows (sum of their context lengths).
+    draft = ``draft_level_s * depth + draft_per_node_s * draft_nodes`` (one batched draft forward per tree depth).
+    Encoders: :class:`EncodeCost` per modality.
+
+    Attributes:
+        name, hardware: profile name and what it describes; ``estimated`` True when not measured.
+        kv_bytes_per_token: KV cache bytes per token of the target (all layers, K and V), for the byte budget.
+    """
+
+    name: str
+    hardware: str
+    estimated: bool
+    step_fixed_s: float
+    per_row_s: float
+    per_token_s: float
+    per_kv_token_s: float
+    draft_level_s: float
+    draft_per_node_s: float
+    kv_bytes_per_token: int
+    encoders: dict[str, EncodeCost] = field(default_factory=dict)
+
+    def target_s(self, rows: int, tokens: int, kv_tokens: int) -> float:
+        if rows == 0:
+            return 0.0
+        return self.step_fixed_s + self.per_row_s * rows + self.per_token_s * tokens + self.per_kv_token_s * kv_tokens
+
+    def draft_s(self, depth: int, nodes: int) -> float:
+        return self.draft_level_s * depth + self.draft_per_node_s * nodes if depth > 0 else 0.0
+
+    def encode_s(self, modality: str, units: list[float]) -> float:
+        cost = self.encoders.get(modality)
+        if cost is None:
+            raise KeyError(f"cost model {self.name!r} has no encoder cost for modality {modality!r}")
+        return cost.batch_s(units)
+
+    def decode_tokens_per_s(self, batch: int, nodes: int, tau: float, context: int = 256) -> float:
+        """Committed tokens per second of a decode batch where each request verifies ``nodes`` nodes and commits
+        ``tau`` tokens per step (used to decide whether speculation pays at this batch size)."""
+        depth = max(0, nodes - 1)
+        step = self.target_s(batch, batch * nodes, batch * context) + self.draft_s(min(depth, 8), batch * depth)
+        return batch * tau / step
+
+    def plan_s(self, plan: StepPlan) -> float:
+        """Latency of ``plan``: encoder batches, then draft, then one target forward."""
+        total = sum(self.encode_s(w.modality, [it.units for _, it in w.items]) for w in plan.encodes)
+        rows = len(plan.prefills) + len(plan.decodes)
+        tokens = plan.num_nodes
+        kv = sum(len(d.request.context) for d in plan.decodes)
+        spec = [d for d in plan.decodes if d.node_budget > 1 and d.max_depth > 0]
+        depth = max((min(d.max_depth, d.node_budget - 1) for d in spec), default=0)
+        total += self.draft_s(depth, sum(d.node_budget - 1 for d in spec))
+        return total + self.target_s(rows, tokens, kv)
+
+    def with_(self, **changes) -> "CostModel":
+        return replace(self, **changes)
+
+
+# Provisional (see the module docstring): replace with ``python -m specstream.schedulers.calibrate`` output.
+CPU_2CORE = CostModel(
+    name="cpu-2core",
+    hardware="2-core x86 CPU, torch 2.14.1 float32; mid-size random Llama (hidden 512, 8 layers, vocab 8192), "
+             "random CLIP ViT-B/32 224px, random Whisper tiny encoder (provisional; calibration pending)",
+    estimated=True,
+    step_fixed_s=0.0108,
+    per_row_s=0.0004,
+    per_token_s=0.00049,
+    per_kv_token_s=0.0000012,
+    draft_level_s=0.0068,
+    draft_per_node_s=0.00025,
+    kv_bytes_per_token=2 * 8 * 512 * 4 // 4,  # 2 (K,V) x 8 layers x 128 kv dims (2 kv heads x 64) x 4 bytes
+    encoders={"image": EncodeCost(0.004, 0.062, 1.0), "audio": EncodeCost(0.002, 0.11, 30.0)},
+)
+
+# Roofline estimate (NOT measured): Llama-2-7B bf16 target on one H200.
+#  weights 13.5 GB / 4.8 TB/s ~ 2.8 ms per forward (memory-bound floor) + ~1 ms launch/sync overhead;
+#  compute 2 * 6.7e9 FLOP per token at ~500 TFLOPS achieved ~ 27 us per token;
+#  KV read: 0.5 MB per token (32 layers x 4096 x 2 x 2 B) / 4.8 TB/s ~ 0.1 us per cached token;
+#  68M draft: launch-bound, ~0.35 ms per depth level; CLIP ViT-L/14-336 ~ 0.38 TFLOP/image -> ~0.8 ms/image;
+#  Whisper large-v3 encoder ~ 1.2 TFLOP per 30-s window -> ~3 ms/window.
+H200_EST = CostModel(
+    name="h200-est",
+    hardware="one NVIDIA H200 (estimated by roofline, not measured): Llama-2-7B-class bf16 target, 68M draft, "
+             "CLIP ViT-L/14-336, Whisper large-v3 encoder",
+    estimated=True,
+    step_fixed_s=0.0038,
+    per_row_s=0.00002,
+    per_token_s=0.000027,
+    per_kv_token_s=0.0000001,
+    draft_level_s=0.00035,
+    draft_per_node_s=0.000002,
+    kv_bytes_per_token=32 * 4096 * 2 * 2,
+    encoders={"image": EncodeCost(0.0005, 0.0008, 1.0), "audio": EncodeCost(0.0005, 0.003, 30.0)},
+)
+
+PROFILES: dict[str, CostModel] = {m.name: m for m in (CPU_2CORE, H200_EST)}
+
+
+def get_profile(name: str) -> CostModel:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown cost profile {name!r}; known: {sorted(PROFILES)}") from None

@@ -1,0 +1,168 @@
+"""QosScheduler planning on hand-built queues: exact plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from specstream.errors import CapacityError, InvalidRequestError
+from specstream.schedulers.metrics import SchedulerMetrics
+from specstream.schedulers.plan import EncodeItem, EncodeResult, Request, RequestStepResult, StepOutput
+from specstream.schedulers.qos import EncodeBatching, QosConfig, QosScheduler
+from specstream.schedulers.simulator import VirtualClock
+
+
+def req(rid, qos, n, t=0.0, deadline=None, max_new=20, encodes=()):
+    return Request(rid, [1] * n, max_new, qos=qos, arrival_s=t, deadline_s=deadline, encodes=tuple(encodes))
+
+
+def book(s, plan, requested=16, tokens=1):
+    """Answer ``plan`` as an executor would: one token per prefill, ``tokens`` per decode."""
+    res = [RequestStepResult(p.request.request_id, (5,), 0, True, None, None, requested) for p in plan.prefills]
+    res += [RequestStepResult(d.request.request_id, (5,) * tokens, tokens - 1, False, None, None, requested)
+            for d in plan.decodes]
+    enc = tuple(EncodeResult(rid, it.item_id) for w in plan.encodes for rid, it in w.items)
+    return s.update(StepOutput(plan.step, tuple(res), 1, plan.num_nodes, 0.01, enc))
+
+
+def prefills(plan):
+    return [(p.request.request_id, p.slot, len(p.tokens)) for p in plan.prefills]
+
+
+def decodes(plan):
+    return [(d.request.request_id, d.slot, d.node_budget, d.max_depth) for d in plan.decodes]
+
+
+def test_priority_order_edf_and_tree_budgets_with_batch_share():
+    clock = VirtualClock()
+    s = QosScheduler(QosConfig(num_slots=4, max_len=64, reserved_realtime_slots=1, token_budget=48, batch_share=0.1,
+                               max_nodes_per_request=16, max_tree_depth=8), clock=clock)
+    s.add(req("b1", "batch", 10))
+    s.add(req("i1", "interactive", 8, deadline=9.0))
+    s.add(req("i2", "interactive", 12, deadline=3.0))
+    s.add(req("r1", "realtime", 5))
+    plan = s.schedule()
+    # realtime, then interactive by earliest deadline, then batch; slots popped from the free list
+    assert prefills(plan) == [("r1", 0, 5), ("i2", 1, 12), ("i1", 2, 8), ("b1", 3, 10)]
+    book(s, plan, requested=20)
+    plan = s.schedule()
+    # 48 tokens: 4 roots; batch keeps ceil(4.8) = 5; realtime grows first (+15), interactive within the rest
+    # minus batch's share (+15, +9), batch gets its share (+5)
+    assert decodes(plan) == [("r1", 0, 16, 8), ("i2", 1, 16, 8), ("i1", 2, 10, 8), ("b1", 3, 6, 5)]
+    assert plan.num_nodes == 48
+
+
+def test_reserved_slot_and_preemption_of_batch_by_realtime():
+    clock = VirtualClock()
+    s = QosScheduler(QosConfig(num_slots=3, max_len=64, reserved_realtime_slots=1, token_budget=64), clock=clock)
+    for i in range(3):
+        s.add(req(f"b{i}", "batch", 6, t=0.0))
+    plan = s.schedule()
+    assert prefills(plan) == [("b0", 0, 6), ("b1", 1, 6)]  # slot 2 stays reserved for realtime
+    book(s, plan)
+    s.add(req("r1", "realtime", 4))
+    plan = s.schedule()
+    assert prefills(plan) == [("r1", 2, 4)] and not plan.preempted
+    book(s, plan)
+    s.add(req("r2", "realtime", 4))
+    plan = s.schedule()
+    # no free slot: the most recently admitted batch request is preempted; its KV is freed
+    assert plan.preempted == (("b1", 1),)
+    assert prefills(plan) == [("r2", 1, 4)]
+    assert [d[0] for d in decodes(plan)] == ["r1", "b0"]
+    b1 = s.requests["b1"]
+    assert b1.preemptions == 1 and b1.slot is None and len(b1.output_ids) == 2
+    book(s, plan)
+    # realtime finishes -> b1 resumes by prefilling prompt + the 2 tokens it had
+    for rid in ("r1", "r2"):
+        s.requests[rid].max_new_tokens = len(s.requests[rid].output_ids) + 1
+    plan = s.schedule()
+    out = StepOutput(plan.step, tuple(
+        RequestStepResult(d.request.request_id, (5,), 0, False,
+                          "length" if d.request.qos == "realtime" else None, None, 1) for d in plan.decodes),
+        1, 0, 0.01)
+    s.update(out)
+    plan = s.schedule()
+    assert sorted(plan.released) == [("r1", 2), ("r2", 1)]
+    assert prefills(plan) == [("b1", 1, 6 + 2)]
+
+
+def test_equal_priority_never_preempts_and_aging_promotes_batch_over_later_interactive():
+    clock = VirtualClock()
+    s = QosScheduler(QosConfig(num_slots=2, max_len=64, reserved_realtime_slots=0, token_budget=64, aging_s=5.0),
+                     clock=clock)
+    s.add(req("i0", "interactive", 4, deadline=100.0, max_new=50))
+    s.add(req("i1", "interactive", 4, deadline=100.0, max_new=50))
+    book(s, s.schedule())
+    s.add(req("b", "batch", 4, t=0.0))
+    clock.now = 6.0
+    s.add(req("i2", "interactive", 4, t=6.0, deadline=7.0))  # urgent, but no slot: it waits, no preemption
+    plan = s.schedule()
+    assert not plan.preempted and not plan.prefills
+    # the aged batch request ranks as interactive with deadline arrival + aging = 5.0 < 7.0
+    assert [r.request_id for r in s.waiting] == ["b", "i2"]
+    s.requests["i0"].max_new_tokens = len(s.requests["i0"].output_ids) + 1
+    s.update(StepOutput(plan.step, (RequestStepResult("i0", (5,), 0, False, "length", None, 1),
+                                    RequestStepResult("i1", (5,), 0, False, None, None, 1)), 1, 2, 0.01))
+    plan = s.schedule()
+    assert prefills(plan) == [("b", 0, 4)]
+
+
+def test_encode_batches_per_modality_priority_and_delay():
+    clock = VirtualClock()
+    cfg = QosConfig(num_slots=8, max_len=64, token_budget=128, batch_share=0.25,
+                    encoders={"image": EncodeBatching(max_batch=4, max_delay_s=0.05),
+                              "audio": EncodeBatching(max_batch=2, max_delay_s=0.01)})
+    s = QosScheduler(cfg, clock=clock)
+    for i in range(3):
+        s.add(req(f"b{i}", "batch", 8, encodes=[EncodeItem(f"b{i}/img", "image")]))
+    plan = s.schedule()
+    assert plan.encodes == () and s.next_event_s() == pytest.approx(0.05)  # waits for more images
+    s.add(req("i0", "interactive", 8, deadline=1.0, encodes=[EncodeItem("i0/img", "image")]))
+    s.add(req("r0", "realtime", 8, encodes=[EncodeItem("r0/a", "audio", 2.0)]))
+    plan = s.schedule()
+    # realtime audio goes at once; 4 images are a full batch: interactive first, batch capped at its share
+    # (ceil(0.25 * 4) = 1 while higher-class work exists)
+    assert [(w.modality, [it.item_id for _, it in w.items]) for w in plan.encodes] == [
+        ("image", ["i0/img", "b0/img"]), ("audio", ["r0/a"])]
+    assert plan.prefills == ()  # nothing is encoded yet
+    book(s, plan)
+    plan = s.schedule()
+    assert prefills(plan) == [("r0", 0, 8), ("i0", 1, 8), ("b0", 2, 8)]
+
+
+def test_kv_high_watermark_shrinks_non_realtime_trees_first():
+    clock = VirtualClock()
+    s = QosScheduler(QosConfig(num_slots=3, max_len=100, reserved_realtime_slots=0, token_budget=256,
+                               kv_budget_tokens=200, max_nodes_per_request=8), clock=clock)
+    s.add(req("r", "realtime", 40, max_new=60))
+    s.add(req("b", "batch", 40, max_new=60))
+    book(s, s.schedule(), requested=8)
+    for _ in range(5):
+        plan = s.schedule()
+        assert decodes(plan) == [("r", 0, 8, 7), ("b", 1, 8, 7)]  # at most 146 held of 200: below 80 %
+        book(s, plan, requested=8, tokens=8)
+    plan = s.schedule()  # 162 held > 160 = 80 %: batch decodes its root only, realtime keeps its tree
+    assert decodes(plan) == [("r", 0, 8, 7), ("b", 1, 1, 0)]
+    assert s.kv_tokens(plan) == 162 + 9 <= 200
+
+
+def test_admission_control_refuses_at_once_with_retryable_error():
+    metrics = SchedulerMetrics()
+    s = QosScheduler(QosConfig(num_slots=2, max_len=64, token_budget=128,
+                               max_queue={"realtime": 1, "interactive": 1, "batch": 1}), metrics=metrics)
+    with pytest.raises(CapacityError) as e:
+        s.add(req("big", "batch", 60, max_new=10))
+    assert e.value.retryable and e.value.reason == "never_fits" and e.value.code == "over_capacity"
+    s.add(req("b0", "batch", 4))
+    with pytest.raises(CapacityError) as e:
+        s.add(req("b1", "batch", 4))
+    assert e.value.reason == "queue_full"
+    with pytest.raises(InvalidRequestError):
+        s.add(req("x", "bulk", 4))
+    with pytest.raises(InvalidRequestError):
+        s.add(req("v", "batch", 4, encodes=[EncodeItem("v/1", "video")]))
+    text = metrics.render().decode()
+    assert 'specstream_scheduler_rejections_total{qos="batch",reason="queue_full"} 1.0' in text
+    assert 'specstream_scheduler_rejections_total{qos="batch",reason="never_fits"} 1.0' in text
+    plan = s.schedule()
+    assert 'specstream_scheduler_batch_size_count 1.0' in metrics.render().decode() and plan.prefills

@@ -1,0 +1,113 @@
+"""The simulator: properties over random traces, overload, the CLI contract, the benchmark."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specstream.schedulers.costmodel import CPU_2CORE, H200_EST
+from specstream.schedulers.qos import EncodeBatching, QosConfig
+from specstream.schedulers.simulator import (
+    SimConfig,
+    TraceEvent,
+    bench_scheduler_main,
+    simulate,
+    simulate_main,
+    summarize,
+    tree_shape,
+)
+from specstream.schedulers.traces import BATCH, REALTIME, ClassLoad, synthetic_trace, write_trace
+
+SMALL = QosConfig(num_slots=4, max_len=96, reserved_realtime_slots=1, token_budget=128, kv_budget_tokens=240,
+                  max_nodes_per_request=8, aging_s=0.5, max_queue={"realtime": 8, "interactive": 8, "batch": 8},
+                  encoders={"image": EncodeBatching(3, 0.02), "audio": EncodeBatching(2, 0.01)})
+
+event = st.builds(
+    lambda t, q, d, p, m, img, au, a: (t, q, d, p, m, img, au, a),
+    st.floats(0, 2000), st.sampled_from(["realtime", "interactive", "batch"]), st.floats(50, 5000),
+    st.integers(1, 60), st.integers(1, 40), st.integers(0, 3), st.sampled_from([0.0, 0.0, 1.5, 40.0]),
+    st.floats(0, 1))
+
+
+def _events(raw):
+    return [TraceEvent(t, f"r{i}", q, d, p, m, img, au, a) for i, (t, q, d, p, m, img, au, a) in enumerate(raw)]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(event, min_size=1, max_size=25), st.sampled_from([CPU_2CORE, H200_EST]))
+def test_random_traces_respect_memory_complete_and_age(raw, cost):
+    events = _events(raw)
+    res = simulate(events, SimConfig(scheduler=SMALL, cost=cost))
+    # the KV budget is never exceeded (as planned, and as the executor saw it)
+    assert res.peak_kv_fraction <= 1.0 + 1e-9
+    assert res.sim_peak_kv_tokens <= SMALL.kv_budget
+    # every admitted request completes, with all its tokens
+    for ev in events:
+        rec = res.records[ev.id]
+        assert rec.rejected or (rec.finish_s is not None and rec.output_len == ev.max_new_tokens), rec
+    # aging bound: once a batch request has waited aging_s, no later interactive request is admitted before it
+    recs = res.records
+    for b in (e for e in events if e.qos == "batch" and not e.images and not e.audio_s):
+        rb = recs[b.id]
+        if rb.rejected:
+            continue
+        for i in (e for e in events if e.qos == "interactive" and not e.images and not e.audio_s):
+            ri = recs[i.id]
+            if not ri.rejected and ri.arrival_s >= rb.arrival_s + SMALL.aging_s:
+                assert ri.first_prefill_s >= rb.first_prefill_s, (b.id, i.id)
+
+
+def test_tree_shape_matches_truncation():
+    assert tree_shape((1, 1, 3, 1), 100, 100) == (1 + 1 + 1 + 3 + 3, 4)
+    assert tree_shape((1, 1, 3, 1), 4, 100) == (4, 3)
+    assert tree_shape((1, 1, 3, 1), 100, 2) == (3, 2)
+
+
+def test_overload_realtime_keeps_slo_and_batch_completes_after_the_flood():
+    cfg = SimConfig(scheduler=QosConfig(num_slots=16, max_len=1024, token_budget=4096,
+                                        max_queue={"realtime": 64, "interactive": 256, "batch": 300}),
+                    cost=H200_EST)
+    shape = replace(BATCH, images=(1, 3))
+    # batch capacity: how fast a saturated backlog drains
+    backlog = synthetic_trace([replace(shape, rate_per_s=100000.0, end_s=0.0025)], seed=3)
+    drained = simulate(backlog, cfg)
+    capacity = len(backlog) / drained.end_s
+    flood = replace(shape, rate_per_s=5 * capacity, start_s=0.0, end_s=4.0)
+    rt = replace(REALTIME, rate_per_s=4.0, end_s=12.0)
+    events = synthetic_trace([rt, flood], seed=4)
+    res = simulate(events, cfg)
+    out = summarize(res)
+    assert out["classes"]["realtime"]["slo_attainment"] >= 0.99, out
+    admitted = [r for r in res.records.values() if r.qos == "batch" and not r.rejected]
+    assert len(admitted) > 0 and all(r.finish_s is not None for r in admitted)
+    assert out["classes"]["batch"]["rejected"] > 0  # the flood was refused at the door, not crashed into
+
+
+def test_simulate_cli_prints_the_contract(tmp_path, capsys):
+    events = synthetic_trace([replace(REALTIME, end_s=3.0), ClassLoad("batch", 1.0, end_s=3.0, images=(1, 2))],
+                             seed=1)
+    trace = write_trace(events, tmp_path / "t.jsonl")
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"cost_profile": "h200-est", "scheduler": {"num_slots": 8, "max_len": 512}}))
+    assert simulate_main(["--trace", str(trace), "--config", str(config), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"classes", "max_wait_ms", "preemptions", "peak_kv_fraction"}
+    assert set(out["classes"]) == {"realtime", "interactive", "batch"}
+    for c in out["classes"].values():
+        assert set(c) == {"completed", "rejected", "p50_ms", "p99_ms", "slo_attainment"}
+    assert out["classes"]["realtime"]["completed"] + out["classes"]["batch"]["completed"] == len(events)
+    assert simulate_main(["--trace", str(tmp_path / "missing.jsonl"), "--json"]) == 2
+    # deterministic
+    assert simulate_main(["--trace", str(trace), "--config", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == out
+
+
+def test_bench_scheduler_writes_table_and_plot(tmp_path):
+    assert bench_scheduler_main(["--out", str(tmp_path), "--duration-s", "3", "--seed", "2"]) == 0
+    table = (tmp_path / "scheduler.md").read_text()
+    assert "| qos |" in table and "fifo" in table and "static" in table
+    assert (tmp_path / "scheduler.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "scheduler.json").read_text())["policies"]["qos"]["realtime"]
