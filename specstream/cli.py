@@ -113,12 +113,34 @@ def _add_bench(sub) -> None:
     spec.add_argument("--out", type=Path, default=Path("docs/bench"), help="output dir for JSON and plots")
     spec.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
     spec.set_defaults(func=lambda a: _bench_spec(a))
+    for words, (help_text, _) in PASSTHROUGH.items():
+        if words[0] == "bench":
+            bsub.add_parser(words[1], help=help_text, add_help=False)
 
 
 def _bench_spec(args) -> int:
     from specstream.pipeline.bench_spec import main as bench_main
 
     return bench_main(args)
+
+
+#: subcommands whose own module parses the arguments: name -> (help, "module:function(argv) -> int")
+PASSTHROUGH = {
+    ("simulate",): ("replay a request trace through the QoS scheduler on a virtual clock",
+                    "specstream.schedulers.simulator:simulate_main"),
+    ("bench", "scheduler"): ("QoS scheduler vs FIFO vs a static batcher on the same traces",
+                             "specstream.schedulers.simulator:bench_scheduler_main"),
+}
+
+
+def _dispatch_passthrough(argv: list[str]) -> int | None:
+    import importlib
+
+    for words, (_, target) in PASSTHROUGH.items():
+        if tuple(argv[: len(words)]) == words:
+            module, func = target.split(":")
+            return getattr(importlib.import_module(module), func)(argv[len(words):])
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,13 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_bench(sub)
+    for words, (help_text, _) in PASSTHROUGH.items():
+        if len(words) == 1:
+            sub.add_parser(words[0], help=help_text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        code = _dispatch_passthrough(argv)
+        if code is not None:
+            return code
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except SpecstreamError as exc:
         print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
