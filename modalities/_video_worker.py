@@ -33,7 +33,6 @@ import numpy as np
 
 FRAMES_PER_MESSAGE = 8
 MAX_MESSAGE_DELAY_S = 0.2
-SEEK_GAP_S = 2.0  # full-resolution decode: seek when the next target lies further ahead than this
 
 # Magic bytes of containers we recognise: a file that starts like one of these but cannot be opened is damaged
 # (corrupt_media); a file that starts like none of them is not media we support (unsupported_media).
@@ -319,11 +318,30 @@ def _decode_pyav(path: str, sender: _Sender, p: Probe, size: tuple[int, int], sk
     return n
 
 
+def _key_times(path: str, p: Probe) -> list[float]:
+    """Sorted timestamps of the key (random-access) packets of the video stream; demux only, no decoding."""
+    import av
+
+    container, stream = open_video(path)
+    start = p.start_pts
+    out = []
+    try:
+        for packet in container.demux(stream):
+            if packet.size and packet.is_keyframe and packet.pts is not None:
+                out.append(_timestamp(packet.pts, start if start is not None else 0, p))
+    except av.error.FFmpegError:
+        pass  # keyframes up to the damage are enough: targets lie in the decodable part
+    finally:
+        container.close()
+    return sorted(out)
+
+
 def decode_full(path: str, p: Probe, timestamps_s: list[float]) -> list[tuple[float, np.ndarray]]:
     """Decode the frames presented at ``timestamps_s`` at full resolution (display orientation).
 
-    Each target gets the first frame whose timestamp is >= target - 1 us. Seeks (to the previous keyframe)
-    when the next target lies more than SEEK_GAP_S ahead of the decoding position, else decodes forward.
+    Each target gets the first frame whose timestamp is >= target - 1 us. Targets are visited in time order in
+    one forward pass; it seeks only when a key packet lies between the decoding position and the next target
+    (so a clip with one GOP is decoded once, not once per target).
     """
     import av
 
@@ -331,6 +349,7 @@ def decode_full(path: str, p: Probe, timestamps_s: list[float]) -> list[tuple[fl
     targets = sorted(set(float(t) for t in timestamps_s))
     if not targets:
         return out
+    keys = _key_times(path, p)
     container, stream = open_video(path)
     stream.thread_type = "AUTO"
     tb = Fraction(p.tb_num, p.tb_den)
@@ -339,10 +358,12 @@ def decode_full(path: str, p: Probe, timestamps_s: list[float]) -> list[tuple[fl
         frames = None
         pos = None  # timestamp of the last decoded frame
         for target in targets:
-            if frames is None or pos is None or target - pos > SEEK_GAP_S:
-                if pos is not None or target > SEEK_GAP_S:
+            prev_key = max((k for k in keys if k <= target + 1e-6), default=None)
+            ahead = prev_key is not None and prev_key > (pos if pos is not None else 0.0) + 1e-6
+            if frames is None or ahead:
+                if ahead:
                     base = start or 0
-                    container.seek(int(base + target / tb), stream=stream, backward=True, any_frame=False)
+                    container.seek(int(base + Fraction(prev_key) / tb), stream=stream, backward=True)
                 frames = container.decode(stream)
             found = None
             for frame in frames:

@@ -24,6 +24,7 @@ before the damage have already been yielded), `DecodeTimeoutError` (no progress 
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
 import sys
@@ -92,7 +93,10 @@ def _mp_context():
         if _ctx is None:
             if sys.platform.startswith("linux"):
                 _ctx = multiprocessing.get_context("forkserver")
-                _ctx.set_forkserver_preload([_WORKER, "numpy", "av"])
+                preload = [_WORKER, "numpy", "av"]
+                if importlib.util.find_spec("decord") is not None:
+                    preload.append("decord")
+                _ctx.set_forkserver_preload(preload)
             else:
                 _ctx = multiprocessing.get_context("spawn")
         return _ctx

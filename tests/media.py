@@ -20,6 +20,8 @@ SIZE = "320:180"
 BIKES_SHOT = (3.2, 2.0)  # (start, duration) inside the bikes shot 3.04-5.44 s
 JOIN_TIMES_S = (2.0, 4.0)  # joined.mp4: bikes shot | bigbuckbunny | carphone, 2 s each
 FLASH_FRAMES = (24, 25)  # flash.mp4 (the 2-s bikes shot): these two frames are pure white
+FLASHCUT = (25, 26)  # flashcut.mp4: 1 s bikes shot, 2 white frames (25, 26), then 1 s of bigbuckbunny from frame 27
+BIKES_CUTS_S = (1.2, 3.04, 5.48, 7.48, 9.68)  # bikes.mp4's cuts, as ffmpeg's scene filter finds them (gt(scene,0.25))
 XFADE = (1.0, 1.0)  # xfade.mp4: crossfade bikes shot -> bigbuckbunny starting at 1.0 s, lasting 1.0 s; 3 s long
 # vfr.mp4: 30 frames; PTS in 1/1000 s ticks: 10 frames 40 ms apart, 10 frames 100 ms apart, 10 frames 20 ms apart
 VFR_TICKS = tuple([n * 40 for n in range(10)] + [400 + n * 100 for n in range(10)] + [1400 + n * 20 for n in range(10)])
@@ -58,6 +60,17 @@ def _part(start: float, dur: float) -> str:
             f"format=yuv420p")
 
 
+_built: dict[str, Path] | None = None
+
+
+def clips(tmp_path_factory) -> dict[str, Path]:
+    """Build every clip once per test session (pytest's ``tmp_path_factory``); file name -> path."""
+    global _built
+    if _built is None:
+        _built = build_all(tmp_path_factory.mktemp("media"))
+    return _built
+
+
 def build_all(out: Path) -> dict[str, Path]:
     """Write every derived clip and bad file into ``out``; returns name -> path."""
     src = sources()
@@ -80,6 +93,10 @@ def build_all(out: Path) -> dict[str, Path]:
            f"[0:v]{_part(BIKES_SHOT[0], 2.0)}[a];[1:v]{_part(0, 2.0)}[b];"
            f"[a][b]xfade=transition=fade:duration={dur}:offset={off}[v]",
            "-map", "[v]", *_ENC, str(path("xfade.mp4")))
+    ffmpeg("-i", src["bikes"], "-i", src["bigbuckbunny"], "-f", "lavfi", "-i", f"color=white:s=320x180:r={FPS}:d=0.08",
+           "-filter_complex",
+           f"[0:v]{_part(BIKES_SHOT[0], 1.0)}[a];[1:v]{_part(0, 1.0)}[b];[2:v]{_part(0, 0.08)}[w];"
+           "[a][w][b]concat=n=3:v=1:a=0[v]", "-map", "[v]", *_ENC, str(path("flashcut.mp4")))
     ticks = "if(lt(N,10),N*40,if(lt(N,20),400+(N-10)*100,1400+(N-20)*20))"
     ffmpeg("-i", src["bikes"], "-frames:v", "30", "-vf", f"scale={SIZE},setsar=1,settb=1/1000,setpts='{ticks}'",
            "-fps_mode", "passthrough", "-enc_time_base", "1/1000", "-video_track_timescale", "1000",

@@ -15,8 +15,9 @@ the frames it needs:
 3. **Fades and dissolves** (lag up to ``fade_window_s + max_fade_s``): ``dW`` = histogram distance to the frame
    ``fade_window_s`` earlier (history sampled every ``fade_sample_s``, restarted at each boundary). When ``dW``
    rises above ``fade_threshold`` a transition begins; it ends when ``dW`` falls below ``fade_release *
-   fade_threshold`` (or after ``max_fade_s``), and the frame where ``dW`` peaked — where the new picture is
-   complete — is reported once as the boundary. One transition, one boundary, however slow.
+   fade_threshold`` (or after ``max_fade_s``). The boundary, reported once, is the frame where ``dW`` peaked (the
+   end of a transition up to ``fade_window_s`` long), or for a longer one the earliest history sample already
+   close to the picture after it: where the new shot is whole, not a blend. One transition, one boundary.
 
 A boundary closer than ``min_scene_len_s`` to the previous one is dropped. The first usable frame starts the first
 scene (kind ``"start"``, score 1.0).
@@ -82,7 +83,7 @@ class HistogramDetector(SceneDetector):
             "qc": [],  # usable frames: adaptive_window decided ones for context, then the undecided ones
             "qc_next": 0,  # index in qc of the next frame to decide
             "last_boundary_t": None,
-            "samples": [],  # [t, hist] history for dW, restarted at each boundary
+            "samples": [],  # [t, hist, frame_index] history for dW, one per fade_sample_s, restarted at boundaries
             "fade": None,  # {"peak", "i", "t", "start_t"} while a transition is open
             "finished": False,
         }
@@ -156,7 +157,7 @@ class HistogramDetector(SceneDetector):
         if s["last_boundary_t"] is None:  # first usable frame: the first scene starts here
             out.append(SceneBoundary(rec["i"], t, 1.0, "start"))
             s["last_boundary_t"] = t
-            s["samples"] = [[t, rec["h"]]]
+            s["samples"] = [[t, rec["h"], rec["i"]]]
             self._trim_qc()
             return
         neighbours = [r["d"] for r in qc[max(0, k - p.adaptive_window) : k] + qc[k + 1 : k + 1 + p.adaptive_window]]
@@ -168,7 +169,7 @@ class HistogramDetector(SceneDetector):
             if t - s["last_boundary_t"] >= p.min_scene_len_s:
                 out.append(SceneBoundary(rec["i"], t, round(d1, 6), "cut"))
                 s["last_boundary_t"] = t
-            s["samples"] = [[t, rec["h"]]]  # restart the fade history in the new picture either way
+            s["samples"] = [[t, rec["h"], rec["i"]]]  # restart the fade history in the new picture either way
             self._trim_qc()
             return
         self._fade_step(out, rec)
@@ -190,18 +191,28 @@ class HistogramDetector(SceneDetector):
             if dw > fade["peak"]:
                 fade.update(peak=dw, i=rec["i"], t=t)
             if dw < p.fade_release * p.fade_threshold or t - fade["start_t"] >= p.max_fade_s:
-                self._emit_fade(out)
-                s["samples"] = [[t, rec["h"]]]
+                self._emit_fade(out, rec["h"])
+                s["samples"] = [[t, rec["h"], rec["i"]]]
         if not s["samples"] or t - s["samples"][-1][0] >= p.fade_sample_s:
-            s["samples"].append([t, rec["h"]])
+            s["samples"].append([t, rec["h"], rec["i"]])
 
-    def _emit_fade(self, out: list[SceneBoundary]) -> None:
+    def _emit_fade(self, out: list[SceneBoundary], current: list[float] | None = None) -> None:
+        """Report the open transition. Its first frame of the new shot: the ``dW`` peak, or later when the
+        transition was longer than ``fade_window_s`` — then the earliest history sample already close to the
+        ``current`` picture (the history spans the last ``fade_window_s``, which now lie after the transition)."""
+        p = self.params
         s = self._s
         fade = s["fade"]
         s["fade"] = None
-        if fade["t"] - s["last_boundary_t"] >= self.params.min_scene_len_s:
-            out.append(SceneBoundary(fade["i"], fade["t"], round(fade["peak"], 6), "fade"))
-            s["last_boundary_t"] = fade["t"]
+        i, t = fade["i"], fade["t"]
+        if current is not None:
+            for st, sh, si in s["samples"]:
+                if st > t and _dist(sh, current) < p.fade_release * p.fade_threshold:
+                    i, t = si, st
+                    break
+        if t - s["last_boundary_t"] >= p.min_scene_len_s:
+            out.append(SceneBoundary(i, t, round(fade["peak"], 6), "fade"))
+            s["last_boundary_t"] = t
 
     def _trim_qc(self) -> None:
         s = self._s
