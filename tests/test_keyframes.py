@@ -174,3 +174,17 @@ def test_min_scene_length_drops_the_second_of_two_close_cuts():
 def test_clip_deduplicator_needs_a_local_model():
     with pytest.raises(DeduplicatorUnavailable, match="skipped"):
         ClipDeduplicator.create(None, None)
+
+
+def test_keyframes_bench_reports_all_baselines(clips, tmp_path):
+    from specstream.pipeline.bench_keyframes import run_keyframes_bench
+
+    out = tmp_path / "bench.json"
+    report = run_keyframes_bench(str(clips["joined.mp4"]), out_json=str(out), repeats=1)
+    assert json.loads(out.read_text()) == report
+    assert report["video"]["frames"] == 150 and report["keyframes"] == 3
+    for case in ("ffmpeg", "decord_full", "pyav_full", "pyav_decode", "select_keyframes", "select_keyframes_pyav"):
+        r = report["results"][case]
+        assert r["seconds"] > 0 and r["frames_per_s"] == pytest.approx(150 / r["seconds"], rel=0.01)
+    assert report["ratios"]["select_vs_ffmpeg"] == pytest.approx(
+        report["results"]["ffmpeg"]["seconds"] / report["results"]["select_keyframes"]["seconds"], rel=0.01)

@@ -1,12 +1,13 @@
 """Per-frame features for scene detection, computed on proxy frames (small RGB images).
 
-A frame's feature is an HSV colour histogram (``H_BINS`` hue + ``S_BINS`` saturation + ``V_BINS`` value bins;
-soft binning: each pixel is shared linearly between the two nearest bin centres, so a small colour shift moves
-the histogram a little instead of flipping whole bins; hue is circular) and its mean luma. Histogram values are
-fractions of the pixels rounded to 1e-5, so the feature serialises to short JSON numbers exactly. The distance between two
-frames is the mean over the three channels of the total-variation distance between their normalised
-histograms: 0 for identical colour distributions, 1 for disjoint ones. Colour histograms ignore where things
-are, so camera and object motion inside a scene move the distance little while a cut moves it a lot.
+A frame's feature is an HSV colour histogram (``H_BINS`` hue + ``S_BINS`` saturation + ``V_BINS`` value
+bins; soft binning: each pixel is shared linearly between the two nearest bin centres, so a small colour shift
+moves the histogram a little instead of flipping whole bins; hue is circular) and its mean luma. Histogram
+values are fractions of the pixels rounded to 1e-5, so the feature serialises to short JSON numbers exactly.
+The distance between two frames is the mean over the three channels of the total-variation distance between
+their normalised histograms: 0 for identical colour distributions, 1 for disjoint ones. Colour histograms
+ignore where things are, so camera and object motion inside a scene move the distance little while a cut
+moves it a lot.
 """
 
 from __future__ import annotations

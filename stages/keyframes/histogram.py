@@ -96,14 +96,14 @@ class HistogramDetector(SceneDetector):
         out: list[SceneBoundary] = []
         self._s["qa"].append(_rec(frame_index, timestamp_s, frame))
         while len(self._s["qa"]) > self.params.max_flash_frames:
-            self._classify(out, flushing=False)
+            self._classify(out)
         return out
 
     def post_process(self) -> list[SceneBoundary]:
         """See `SceneDetector.post_process`."""
         out: list[SceneBoundary] = []
         while self._s["qa"]:
-            self._classify(out, flushing=True)
+            self._classify(out)
         while self._s["qc_next"] < len(self._s["qc"]):
             self._decide(out, flushing=True)
         fade = self._s["fade"]
@@ -126,7 +126,7 @@ class HistogramDetector(SceneDetector):
         return det
 
     # -- stage 1: flash classification ----------------------------------------------------------------------
-    def _classify(self, out: list[SceneBoundary], flushing: bool) -> None:
+    def _classify(self, out: list[SceneBoundary]) -> None:
         p = self.params
         s = self._s
         rec = s["qa"].pop(0)

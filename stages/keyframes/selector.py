@@ -166,7 +166,10 @@ class KeyframeRun:
                 if error is None:
                     images = list(session.decode_full(stamps))
                 else:  # the session's child is gone: a fresh one decodes the good part
-                    images = list(decode_frames(self.path, stamps, stall_timeout_s=self._stall))
+                    try:
+                        images = list(decode_frames(self.path, stamps, stall_timeout_s=self._stall))
+                    except MediaError:
+                        keyframes, images = [], []  # not even the good part decodes again: only the error
             keyframes = [Keyframe(k.frame_index, k.timestamp_s, k.scene_score, img)
                          for k, img in zip(keyframes, images)]
         finally:
