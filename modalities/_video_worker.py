@@ -249,6 +249,8 @@ def _decord_plan(conn, path: str, p: Probe, size: tuple[int, int]):
     pts, why = _demux_pts(path)
     if pts is None:
         return None, why
+    if pts and p.start_pts is not None and pts[0] < p.start_pts:
+        return None, "packets before the stream start (an edit list): decord would return them"
     if p.header_frames and p.header_frames != len(pts):
         return None, f"header states {p.header_frames} frames but {len(pts)} packets are present"
     conn.send(("backend", "decord", "opening (a hang from here on is decord's)"))
@@ -292,28 +294,35 @@ def _decode_pyav(path: str, sender: _Sender, p: Probe, size: tuple[int, int], sk
     cw, ch = (size[1], size[0]) if p.rotation in (90, 270) else size
     start = p.start_pts
     n = 0
+    packets = 0
     prev_pts = None
     try:
-        for frame in container.decode(stream):
-            pts = frame.pts if frame.pts is not None else frame.dts
-            if pts is None:  # no timing at all: continue from the previous frame (documented fallback)
-                pts = (prev_pts + 1) if prev_pts is not None else 0
-            if start is None:
-                start = pts
-            prev_pts = pts
-            if n >= skip:
-                img = frame.to_ndarray(width=cw, height=ch, format="rgb24", interpolation="AREA")
-                sender.add((n, pts, _timestamp(pts, start, p), rotate(img, p.rotation)))
-            n += 1
+        for packet in container.demux(stream):
+            if packet.size:
+                packets += 1
+            for frame in packet.decode():
+                pts = frame.pts if frame.pts is not None else frame.dts
+                if pts is None:  # no timing at all: continue from the previous frame (documented fallback)
+                    pts = (prev_pts + 1) if prev_pts is not None else 0
+                if start is None:
+                    start = pts
+                prev_pts = pts
+                if n >= skip:
+                    img = frame.to_ndarray(width=cw, height=ch, format="rgb24", interpolation="AREA")
+                    sender.add((n, pts, _timestamp(pts, start, p), rotate(img, p.rotation)))
+                n += 1
     except av.error.FFmpegError as exc:
         sender.flush()
         raise WorkerError("corrupt_media", f"decoding stopped after {n} frames: {exc}") from exc
     finally:
         container.close()
     sender.flush()
-    if p.header_frames and n < p.header_frames and p.container.startswith("mov"):
+    # A file cut short at a packet boundary decodes without an error: the demuxer just ends early. The header's
+    # sample count (exact in mp4/mov) tells. Packets, not frames, are compared: an edit list may drop frames.
+    if p.header_frames and packets < p.header_frames and p.container.startswith("mov"):
         raise WorkerError(
-            "corrupt_media", f"truncated: the header states {p.header_frames} frames, {n} could be decoded"
+            "corrupt_media",
+            f"truncated: the header states {p.header_frames} frames, the file holds {packets} ({n} decoded)",
         )
     return n
 

@@ -109,6 +109,8 @@ def build_all(out: Path) -> dict[str, Path]:
     ffmpeg("-i", str(p["short.mp4"]), "-c:v", "libvpx-vp9", "-deadline", "realtime", "-cpu-used", "8", "-b:v", "200k",
            str(path("short.webm")))
     ffmpeg("-i", str(p["short.mp4"]), "-c", "copy", "-metadata:s:v:0", "rotate=90", str(path("rotated.mp4")))
+    # Stream copy from mid-GOP: an edit list hides the 3 leading frames (header: 55 samples, 52 presented).
+    ffmpeg("-ss", "1.3", "-i", src["bikes"], "-t", "2", "-c", "copy", "-an", str(path("editlist.mp4")))
     # Bad inputs.
     ffmpeg("-i", src["bigbuckbunny"], "-c", "copy", "-movflags", "+faststart", str(out / "faststart.mp4"))
     data = (out / "faststart.mp4").read_bytes()

@@ -87,6 +87,15 @@ def test_containers(clips, name):
     assert frames[0].image.shape == (36, 64, 3)
 
 
+def test_edit_list_is_not_truncation(clips):
+    with VideoDecodeSession(clips["editlist.mp4"]) as s:
+        frames = list(s.proxy_frames())
+        assert s.info.header_frames == 55
+        assert s.backend_used == "pyav"  # decord would return the frames the edit list hides
+    assert [f.timestamp_s for f in frames] == pytest.approx(_ffprobe_times(clips["editlist.mp4"]), abs=1e-9)
+    assert len(frames) == 52 and frames[0].timestamp_s == 0.0
+
+
 def test_animated_gif(src):
     frames = list(iter_proxy_frames(src["gif"]))
     assert [f.timestamp_s for f in frames] == pytest.approx(_ffprobe_times(src["gif"]), abs=1e-9)
