@@ -83,7 +83,8 @@ def run_keyframes_bench(path: str | None = None, out_json: str | None = None, re
     """
     from specstream.modalities.video import probe_video
 
-    path = os.fspath(path) if path is not None else default_clip()
+    path = os.fspath(path) if path else default_clip()
+    load_before = os.getloadavg()
     info = probe_video(path)
     t0 = time.perf_counter()
     frames, n_kf, extra = _select(path)  # first call: starts the forkserver
@@ -115,7 +116,8 @@ def run_keyframes_bench(path: str | None = None, out_json: str | None = None, re
         "file": os.path.basename(path),
         "video": {"width": info.width, "height": info.height, "codec": info.codec, "frames": frames,
                   "duration_s": info.duration_s},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "loadavg_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]},
         "date": time.strftime("%Y-%m-%d"),
         "repeats": repeats,
         "keyframes": n_kf,

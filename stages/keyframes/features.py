@@ -3,7 +3,8 @@
 A frame's feature is an HSV colour histogram (``H_BINS`` hue + ``S_BINS`` saturation + ``V_BINS`` value
 bins; soft binning: each pixel is shared linearly between the two nearest bin centres, so a small colour shift
 moves the histogram a little instead of flipping whole bins; hue is circular) and its mean luma. Histogram
-values are fractions of the pixels rounded to 1e-5, so the feature serialises to short JSON numbers exactly.
+values are integers in units of 1e-4 of the pixels (``HIST_UNIT``), so a feature serialises to short JSON
+integers, exactly.
 The distance between two frames is the mean over the three channels of the total-variation distance between
 their normalised histograms: 0 for identical colour distributions, 1 for disjoint ones. Colour histograms
 ignore where things are, so camera and object motion inside a scene move the distance little while a cut
@@ -19,13 +20,14 @@ import numpy as np
 H_BINS = 16
 S_BINS = 8
 V_BINS = 8
+HIST_UNIT = 10_000  # histogram values are fractions of the pixels times HIST_UNIT, rounded
 
 
 @dataclass(frozen=True)
 class FrameFeature:
     """Features of one proxy frame."""
 
-    hist: np.ndarray  # [H_BINS + S_BINS + V_BINS] float64 fraction of pixels per bin (each channel sums to ~1)
+    hist: np.ndarray  # [H_BINS + S_BINS + V_BINS] int64 pixel fraction per bin * HIST_UNIT (channel sums ~HIST_UNIT)
     luma: float  # mean luma (BT.601) in [0, 1]
 
 
@@ -74,7 +76,7 @@ def frame_feature(image: np.ndarray) -> FrameFeature:
     hist = np.concatenate(
         [_soft_hist(h.ravel(), H_BINS, circular=True), _soft_hist(s.ravel(), S_BINS), _soft_hist(v.ravel(), V_BINS)]
     )
-    hist = np.round(hist, 5)
+    hist = np.round(hist * HIST_UNIT).astype(np.int64)
     rgb = image.reshape(-1, 3).astype(np.float32)
     luma = float((rgb @ np.array([0.299, 0.587, 0.114], np.float32)).mean() / 255.0)
     return FrameFeature(hist=hist, luma=luma)
@@ -98,6 +100,5 @@ def _soft_hist(x: np.ndarray, bins: int, circular: bool = False) -> np.ndarray:
 
 
 def hist_distance(a: np.ndarray, b: np.ndarray) -> float:
-    """Mean over H, S, V of the total-variation distance of two `FrameFeature.hist` vectors (each channel
-    already normalised to sum 1); in [0, 1]."""
-    return min(1.0, float(np.abs(np.asarray(a) - np.asarray(b)).sum()) / 6.0)
+    """Mean over H, S, V of the total-variation distance of two `FrameFeature.hist` vectors; in [0, 1]."""
+    return min(1.0, float(np.abs(np.asarray(a) - np.asarray(b)).sum()) / (6.0 * HIST_UNIT))
