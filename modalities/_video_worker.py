@@ -430,6 +430,8 @@ def proxy_session(conn, path: str, long_side: int, backend: str, skip: int) -> N
                 break
     except WorkerError as exc:
         _send_quiet(conn, ("error", exc.code, exc.message))
+    except ImportError as exc:
+        _send_quiet(conn, ("error", "missing_dependency", f"{exc}: pip install 'specstream[video]'"))
     except (EOFError, BrokenPipeError):
         pass
     except Exception as exc:  # an unexpected failure is still reported as a typed error, never a hang
@@ -446,6 +448,8 @@ def full_session(conn, path: str, timestamps_s: list[float]) -> None:
         conn.send(("full", decode_full(path, p, timestamps_s)))
     except WorkerError as exc:
         _send_quiet(conn, ("error", exc.code, exc.message))
+    except ImportError as exc:
+        _send_quiet(conn, ("error", "missing_dependency", f"{exc}: pip install 'specstream[video]'"))
     except Exception as exc:
         _send_quiet(conn, ("error", "corrupt_media", f"{type(exc).__name__}: {exc}"))
     finally:

@@ -19,7 +19,8 @@ point with ``if __name__ == "__main__":`` (the console script ``specstream`` doe
 
 Errors (`specstream.errors`): `UnreadableSourceError` (missing, directory, empty), `UnsupportedMediaError`
 (not a container we decode), `NoVideoStreamError` (audio-only), `CorruptMediaError` (damaged; frames decoded
-before the damage have already been yielded), `DecodeTimeoutError` (no progress within ``stall_timeout_s``).
+before the damage have already been yielded), `DecodeTimeoutError` (no progress within ``stall_timeout_s``);
+and `MissingDependencyError` when PyAV is not installed (``pip install 'specstream[video]'``).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ import numpy as np
 from specstream.errors import (
     CorruptMediaError,
     DecodeTimeoutError,
-    MediaError,
+    MissingDependencyError,
     NoVideoStreamError,
+    SpecstreamError,
     UnreadableSourceError,
     UnsupportedMediaError,
 )
@@ -50,10 +52,10 @@ VIDEO_EXTENSIONS = frozenset({".mp4", ".m4v", ".mkv", ".webm", ".mov", ".avi", "
 DEFAULT_PROXY_LONG_SIDE = 64
 DEFAULT_STALL_TIMEOUT_S = 30.0
 
-_ERRORS: dict[str, type[MediaError]] = {
+_ERRORS: dict[str, type[SpecstreamError]] = {
     cls.code: cls
     for cls in (UnreadableSourceError, UnsupportedMediaError, NoVideoStreamError, CorruptMediaError,
-                DecodeTimeoutError)
+                DecodeTimeoutError, MissingDependencyError)
 }
 _WORKER = "specstream.modalities._video_worker"
 _ctx_lock = threading.Lock()

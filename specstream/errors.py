@@ -103,3 +103,9 @@ class DecodeTimeoutError(MediaError):
 
     code = "decode_timeout"
     retryable = True
+
+
+class MissingDependencyError(SpecstreamError):
+    """An optional dependency needed for this input is missing (e.g. PyAV: ``pip install 'specstream[video]'``)."""
+
+    code = "missing_dependency"
