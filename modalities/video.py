@@ -62,6 +62,10 @@ _ctx_lock = threading.Lock()
 _ctx = None
 
 
+class _DecoderDied(CorruptMediaError):
+    """The child process ended without a word (a native crash): reported as ``corrupt_media``."""
+
+
 @dataclass(frozen=True)
 class VideoInfo:
     """The video stream as probed. Sizes in pixels, after rotation (display orientation)."""
@@ -190,9 +194,11 @@ class VideoDecodeSession:
                     f"no progress for {self.stall_timeout_s:g} s while {what} ({self.path}); decoder killed"
                 )
             return self._conn.recv()
-        except (EOFError, ConnectionResetError, BrokenPipeError):
+        except (EOFError, OSError):  # the pipe closed, possibly in the middle of a message
+            if self._proc is not None:
+                self._proc.join(timeout=5)
             code = self._proc.exitcode if self._proc is not None else None
-            raise CorruptMediaError(f"decoder process died (exit code {code}) while {what} ({self.path})")
+            raise _DecoderDied(f"decoder process died (exit code {code}) while {what} ({self.path})") from None
 
     def close(self) -> None:
         """Stop the child process (idempotent)."""
@@ -253,11 +259,11 @@ class VideoDecodeSession:
                             return
                         elif kind == "error":
                             _raise(msg[1], msg[2])
-                except DecodeTimeoutError as exc:
+                except (DecodeTimeoutError, _DecoderDied) as exc:
                     self._kill()
                     if backend == "auto" and self.backend_used == "decord":
-                        # decord (or its probe) hung: PyAV resumes after the frames already delivered.
-                        self.backend_notes.append(f"decord stalled: {exc.message}")
+                        # decord hung or crashed in native code: PyAV resumes after the frames delivered.
+                        self.backend_notes.append(f"decord failed: {exc.message}")
                         backend = "pyav"
                         continue
                     raise

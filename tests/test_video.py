@@ -195,6 +195,22 @@ def test_hung_source_is_killed_with_decode_timeout(tmp_path):
     assert session._proc is None  # the child was killed and reaped
 
 
+def test_decord_dying_mid_stream_hands_over_to_pyav(src):
+    import signal
+
+    session = VideoDecodeSession(src["bikes"])
+    frames = []
+    for f in session.proxy_frames():
+        frames.append(f)
+        if f.frame_index == 40 and session.backend_used == "decord":
+            os.kill(session._proc.pid, signal.SIGKILL)  # a native crash, as far as the parent can tell
+    session.close()
+    assert any(n.startswith("decord failed") for n in session.backend_notes)
+    assert session.backend_used == "pyav"
+    assert [f.frame_index for f in frames] == list(range(250))
+    assert [f.timestamp_s for f in frames] == [n / 25 for n in range(250)]
+
+
 def test_early_close_stops_the_child(src):
     session = VideoDecodeSession(src["bikes"])
     gen = session.proxy_frames()
