@@ -11,12 +11,15 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .base import SceneBoundary, SceneDetector
-from .histogram import HistogramDetector
+from .histogram import HistogramDetector, HistogramDetectorParams
+
+if TYPE_CHECKING:
+    from .dedup import ClipDeduplicator
 
 _DETECTORS: dict[str, type[SceneDetector]] = {"histogram": HistogramDetector}
 
@@ -190,12 +193,12 @@ def select_keyframes(
     *,
     max_keyframes_per_minute: float | None = None,
     detector: str = "histogram",
-    detector_params: Any = None,
+    detector_params: HistogramDetectorParams | None = None,
     decode_images: bool = True,
     proxy_long_side: int = 64,
     backend: str = "auto",
     stall_timeout_s: float = 30.0,
-    deduplicator: Any = None,
+    deduplicator: ClipDeduplicator | None = None,
 ) -> KeyframeRun:
     """Select the keyframes of the video at ``path``: the first frame of each scene.
 
