@@ -62,3 +62,50 @@ class CapacityError(SpecstreamError):
 
     code = "over_capacity"
     retryable = True
+
+
+# --- media input (modalities/video.py, modalities/image.py) ---------------------------------------------------
+
+
+class MediaError(SpecstreamError):
+    """Base class of errors about one media input (a video or image file). The run goes on with other inputs."""
+
+    code = "media_error"
+
+
+class UnreadableSourceError(MediaError):
+    """The source cannot be read at all: missing, a directory, no permission, or empty (0 bytes)."""
+
+    code = "unreadable_source"
+
+
+class UnsupportedMediaError(MediaError):
+    """The source is readable but is not a container/codec we can decode (e.g. a text file named ``.mp4``)."""
+
+    code = "unsupported_media"
+
+
+class NoVideoStreamError(MediaError):
+    """The container opens but holds no video stream (e.g. an audio-only ``.m4a``)."""
+
+    code = "no_video_stream"
+
+
+class CorruptMediaError(MediaError):
+    """The container is recognised but its data is damaged (truncated, bytes corrupted). Frames decoded before
+    the damage may already have been delivered."""
+
+    code = "corrupt_media"
+
+
+class DecodeTimeoutError(MediaError):
+    """Decoding made no progress within the allowed time (a hung decoder); the decoding process was killed."""
+
+    code = "decode_timeout"
+    retryable = True
+
+
+class MissingDependencyError(SpecstreamError):
+    """An optional dependency needed for this input is missing (e.g. PyAV: ``pip install 'specstream[video]'``)."""
+
+    code = "missing_dependency"

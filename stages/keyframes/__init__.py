@@ -1,0 +1,24 @@
+"""Keyframe selection (stage 2 of captioning): scene detection on proxy frames, keyframes = scene starts.
+
+Public names: `select_keyframes`, `Keyframe`, `KeyframeSelector` (streaming), `SceneDetector` (interface),
+`SceneBoundary`, `HistogramDetector`, `HistogramDetectorParams`, `ClipDeduplicator` (optional, open_clip).
+"""
+
+from .base import SceneBoundary, SceneDetector
+from .dedup import ClipDeduplicator, DeduplicatorUnavailable
+from .histogram import HistogramDetector, HistogramDetectorParams
+from .selector import Keyframe, KeyframeRun, KeyframeRunStats, KeyframeSelector, select_keyframes
+
+__all__ = [
+    "ClipDeduplicator",
+    "DeduplicatorUnavailable",
+    "HistogramDetector",
+    "HistogramDetectorParams",
+    "Keyframe",
+    "KeyframeRun",
+    "KeyframeRunStats",
+    "KeyframeSelector",
+    "SceneBoundary",
+    "SceneDetector",
+    "select_keyframes",
+]

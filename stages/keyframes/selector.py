@@ -1,0 +1,227 @@
+"""Keyframe selection: scene boundaries -> keyframes (the first frame of each scene), capped per minute.
+
+`KeyframeSelector` is the streaming form (push proxy frames one at a time; JSON-serialisable state).
+`select_keyframes` is the whole stage for one file: proxy decode -> detection -> full-resolution decode of only
+the keyframes (frame-level dynamic loading).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .base import SceneBoundary, SceneDetector
+from .histogram import HistogramDetector, HistogramDetectorParams
+
+if TYPE_CHECKING:
+    from .dedup import ClipDeduplicator
+
+_DETECTORS: dict[str, type[SceneDetector]] = {"histogram": HistogramDetector}
+
+
+@dataclass(frozen=True)
+class Keyframe:
+    """One keyframe: the first frame of a scene."""
+
+    frame_index: int  # decoded-frame count in PTS order
+    timestamp_s: float  # presentation time, seconds, from PTS
+    scene_score: float  # detector's change score at the scene start, in [0, 1]; 1.0 for the first scene
+    image: np.ndarray | None = None  # [H, W, 3] uint8 RGB at full resolution, or None when not decoded
+
+
+class KeyframeSelector:
+    """Streaming keyframe selection over proxy frames.
+
+    ``push(frame_index, timestamp_s, proxy)`` returns the keyframes decided so far (images ``None``), ascending;
+    ``finish()`` returns the rest. ``max_keyframes_per_minute`` (None: no cap) keeps at most that many keyframes
+    in any 60-s window of presentation time: a scene start that would exceed it is dropped (its scene merges
+    into the previous one); earlier scenes win, which is what a stream can decide without waiting.
+    """
+
+    def __init__(self, detector: SceneDetector | None = None, max_keyframes_per_minute: float | None = None):
+        if max_keyframes_per_minute is not None and max_keyframes_per_minute <= 0:
+            raise ValueError(f"max_keyframes_per_minute must be > 0, got {max_keyframes_per_minute}")
+        self.detector = detector if detector is not None else HistogramDetector()
+        self.max_keyframes_per_minute = max_keyframes_per_minute
+        self._recent: list[float] = []  # timestamps of accepted keyframes within the last 60 s
+        self.dropped_by_cap = 0
+
+    def push(self, frame_index: int, timestamp_s: float, proxy: np.ndarray) -> list[Keyframe]:
+        """Feed one proxy frame ([h, w, 3] uint8 RGB) in PTS order; returns newly decided keyframes."""
+        return self._accept(self.detector.process_frame(frame_index, timestamp_s, proxy))
+
+    def finish(self) -> list[Keyframe]:
+        """End of stream: the keyframes still pending."""
+        return self._accept(self.detector.post_process())
+
+    def _accept(self, boundaries: list[SceneBoundary]) -> list[Keyframe]:
+        out = []
+        for b in boundaries:
+            cap = self.max_keyframes_per_minute
+            if cap is not None:
+                self._recent = [t for t in self._recent if t > b.timestamp_s - 60.0]
+                if len(self._recent) + 1 > cap:
+                    self.dropped_by_cap += 1
+                    continue
+                self._recent.append(b.timestamp_s)
+            out.append(Keyframe(b.frame_index, b.timestamp_s, b.score))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state (detector included); `from_state` resumes exactly."""
+        return {
+            "detector": self.detector.state_dict(),
+            "max_keyframes_per_minute": self.max_keyframes_per_minute,
+            "recent": list(self._recent),
+            "dropped_by_cap": self.dropped_by_cap,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> KeyframeSelector:
+        """Rebuild from `state_dict` output (also after a JSON round trip)."""
+        det_state = state["detector"]
+        det_cls = _DETECTORS.get(det_state.get("type"))
+        if det_cls is None:
+            raise ValueError(f"unknown detector type {det_state.get('type')!r}")
+        sel = cls(det_cls.from_state(det_state), state["max_keyframes_per_minute"])
+        sel._recent = list(state["recent"])
+        sel.dropped_by_cap = int(state["dropped_by_cap"])
+        return sel
+
+
+@dataclass
+class KeyframeRunStats:
+    """What a `select_keyframes` run did (filled while iterating)."""
+
+    frames_decoded: int = 0  # proxy frames decoded (the whole file, or up to an error)
+    keyframes: int = 0
+    dropped_by_cap: int = 0
+    dropped_as_duplicates: int = 0
+    backend: str | None = None  # proxy-decoding backend that finished the pass ("decord" or "pyav")
+    backend_notes: list[str] = field(default_factory=list)
+    duration_s: float | None = None  # last proxy frame's timestamp
+    seconds: float = 0.0  # wall-clock time of the run
+    options: dict[str, Any] = field(default_factory=dict)  # options actually used
+
+
+class KeyframeRun:
+    """Iterable result of `select_keyframes`: iterate once for `Keyframe`s (images decoded); ``stats`` and
+    ``info`` (the `VideoInfo`) are filled during iteration."""
+
+    def __init__(self, path: str, *, detector_factory, max_keyframes_per_minute, decode_images, proxy_long_side,
+                 backend, stall_timeout_s, deduplicator):
+        self.path = path
+        self._detector_factory = detector_factory
+        self._cap = max_keyframes_per_minute
+        self._decode_images = decode_images
+        self._proxy_long_side = proxy_long_side
+        self._backend = backend
+        self._stall = stall_timeout_s
+        self._dedup = deduplicator
+        self.info = None
+        self.stats = KeyframeRunStats(options={
+            "max_keyframes_per_minute": max_keyframes_per_minute, "decode_images": decode_images,
+            "proxy_long_side": proxy_long_side, "backend": backend, "stall_timeout_s": stall_timeout_s,
+            "deduplicate": deduplicator is not None,
+        })
+        self._started = False
+
+    def __iter__(self) -> Iterator[Keyframe]:
+        if self._started:
+            raise RuntimeError("a KeyframeRun can be iterated once")
+        self._started = True
+        return self._run()
+
+    def _run(self) -> Iterator[Keyframe]:
+        from specstream.errors import MediaError
+        from specstream.modalities.video import VideoDecodeSession, decode_frames
+
+        t0 = time.perf_counter()
+        selector = KeyframeSelector(self._detector_factory(), self._cap)
+        keyframes: list[Keyframe] = []
+        error: MediaError | None = None
+        session = VideoDecodeSession(self.path, proxy_long_side=self._proxy_long_side, backend=self._backend,
+                                     stall_timeout_s=self._stall)
+        try:
+            last_t = None
+            try:
+                for f in session.proxy_frames():
+                    keyframes.extend(selector.push(f.frame_index, f.timestamp_s, f.image))
+                    last_t = f.timestamp_s
+                keyframes.extend(selector.finish())
+            except MediaError as exc:
+                error = exc  # keep the keyframes of the good part; the error is raised after them
+                keyframes.extend(selector.finish())
+            self.info = session.info
+            self.stats.frames_decoded = session.frames_decoded
+            self.stats.backend = session.backend_used
+            self.stats.backend_notes = list(session.backend_notes)
+            self.stats.duration_s = last_t
+            self.stats.dropped_by_cap = selector.dropped_by_cap
+            images: list[np.ndarray | None] = [None] * len(keyframes)
+            if self._decode_images and keyframes:
+                stamps = [k.timestamp_s for k in keyframes]
+                if error is None:
+                    images = list(session.decode_full(stamps))
+                else:  # the session's child is gone: a fresh one decodes the good part
+                    try:
+                        images = list(decode_frames(self.path, stamps, stall_timeout_s=self._stall))
+                    except MediaError:
+                        keyframes, images = [], []  # not even the good part decodes again: only the error
+            keyframes = [Keyframe(k.frame_index, k.timestamp_s, k.scene_score, img)
+                         for k, img in zip(keyframes, images)]
+        finally:
+            session.close()
+        if self._dedup is not None and self._decode_images:
+            kept = self._dedup.filter(keyframes)
+            self.stats.dropped_as_duplicates = len(keyframes) - len(kept)
+            keyframes = kept
+        self.stats.keyframes = len(keyframes)
+        self.stats.seconds = time.perf_counter() - t0
+        yield from keyframes
+        if error is not None:
+            raise error
+
+
+def select_keyframes(
+    path: str | os.PathLike,
+    *,
+    max_keyframes_per_minute: float | None = None,
+    detector: str = "histogram",
+    detector_params: HistogramDetectorParams | None = None,
+    decode_images: bool = True,
+    proxy_long_side: int = 64,
+    backend: str = "auto",
+    stall_timeout_s: float = 30.0,
+    deduplicator: ClipDeduplicator | None = None,
+) -> KeyframeRun:
+    """Select the keyframes of the video at ``path``: the first frame of each scene.
+
+    Proxy frames (longer side ``proxy_long_side`` px) are decoded in a child process (``backend``: "auto",
+    "decord" or "pyav"; see `specstream.modalities.video`) and scored by ``detector`` (only "histogram" so far;
+    ``detector_params``: a `HistogramDetectorParams`). ``max_keyframes_per_minute`` caps keyframes in any 60-s
+    window (None: no cap). With ``decode_images`` only the keyframes are decoded again at full resolution
+    (``Keyframe.image`` [H, W, 3] uint8 RGB). ``deduplicator`` (e.g. `ClipDeduplicator`) drops near-duplicates.
+
+    Returns a `KeyframeRun`: iterate it for `Keyframe`s in ascending time; its ``stats`` record the run.
+    Raises (while iterating) the `specstream.errors.MediaError` subclasses: ``unreadable_source``,
+    ``unsupported_media``, ``no_video_stream``, ``corrupt_media`` (after yielding the keyframes of the part that
+    decoded), ``decode_timeout``.
+    """
+    if detector not in _DETECTORS:
+        raise ValueError(f"unknown detector {detector!r}; known: {sorted(_DETECTORS)}")
+    det_cls = _DETECTORS[detector]
+
+    def factory() -> SceneDetector:
+        return det_cls(detector_params) if detector_params is not None else det_cls()
+
+    return KeyframeRun(
+        os.fspath(path), detector_factory=factory, max_keyframes_per_minute=max_keyframes_per_minute,
+        decode_images=decode_images, proxy_long_side=proxy_long_side, backend=backend,
+        stall_timeout_s=stall_timeout_s, deduplicator=deduplicator,
+    )
