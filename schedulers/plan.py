@@ -87,6 +87,10 @@ class Request:
         speculate: False decodes one token per target step.
         qos, deadline_s: QoS class and absolute deadline (monotonic seconds) for QoS schedulers.
         prefix_embeds_key: opaque key of precomputed input embeddings (VLM visual tokens) held by the executor.
+        draft_prompt_ids: the prompt as text-only drafters see it (a VLM prompt without its image tokens);
+            None = ``prompt_ids``.
+        visual_span: ``[start, end)`` prompt positions of the visual tokens: the target's attention mass on
+            them is exported per committed token (``RequestStepResult.visual_attention``).
         encodes: media to encode before the prefill (QoS scheduler; the FIFO scheduler ignores it).
         preemptions: times the request lost its KV cache to a higher class or memory pressure; it then waits,
             and resumes by prefilling ``prompt_ids + output_ids`` (:attr:`PrefillWork.tokens`).
@@ -102,6 +106,8 @@ class Request:
     deadline_s: float | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     prefix_embeds_key: str | None = None
+    draft_prompt_ids: list[int] | None = None
+    visual_span: tuple[int, int] | None = None
     encodes: tuple[EncodeItem, ...] = ()
     # state
     status: RequestStatus = RequestStatus.WAITING
@@ -116,6 +122,11 @@ class Request:
     @property
     def context(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def draft_context(self) -> list[int]:
+        """What drafters see: the draft prompt (text only for a VLM) + committed tokens."""
+        return (self.prompt_ids if self.draft_prompt_ids is None else self.draft_prompt_ids) + self.output_ids
 
     @property
     def remaining(self) -> int:
@@ -221,6 +232,7 @@ class RequestStepResult:
     requested_nodes: int = 1
     draft_s: float = 0.0
     verify_s: float = 0.0
+    visual_attention: tuple = ()  # per committed token: numpy [n_visual] mean attention over heads/layers
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ class SpeculativeExecutor:
     """
 
     def __init__(self, target: LlamaDecoder, drafters: list[Drafter], num_slots: int, max_len: int,
-                 full_nodes: int = 21, adaptive: bool = True):
+                 full_nodes: int = 21, adaptive: bool = True, attention_layers: tuple[int, ...] | None = None,
+                 visual_aware: bool = False, visual_mass_threshold: float = 0.3):
         self.target = target
         self.drafters = list(drafters)
         self.max_len = max_len
@@ -71,6 +72,13 @@ class SpeculativeExecutor:
         self._budgets: dict[str, AdaptiveBudget] = {}
         self.target_forwards = 0
         self.prefix_embeds: dict[str, torch.Tensor] = {}
+        n_layers = len(target.model.layers) if hasattr(target, "model") and hasattr(target.model, "layers") else 0
+        #: layers whose attention on visual tokens is exported (default: the second half of the decoder)
+        self.attention_layers = tuple(attention_layers) if attention_layers is not None else tuple(
+            range(n_layers // 2, n_layers))
+        #: shrink the tree where the target looks hard at the image (text-only drafts are weakest there)
+        self.visual_aware = visual_aware
+        self.visual_mass_threshold = visual_mass_threshold
         #: encoder registry: modality -> callable run on each :class:`EncodeWork` of that modality. It encodes
         #: the items (found by ``item_id``) and may store ``prefix_embeds`` for their requests.
         self.encoders: dict[str, Callable[[EncodeWork], None]] = {}
@@ -124,7 +132,7 @@ class SpeculativeExecutor:
         for work in decodes:
             req = work.request
             if work.node_budget > 1 and work.max_depth > 0 and self.drafters:
-                inputs.append(DraftInput(req.request_id, work.slot, req.context, work.node_budget, work.max_depth,
+                inputs.append(DraftInput(req.request_id, work.slot, req.draft_context, work.node_budget, work.max_depth,
                                          req.sampling, self._rng(req.request_id, req.sampling.seed)))
             else:
                 trees[req.request_id] = TokenTree(req.context[-1])
