@@ -67,6 +67,8 @@ class Request:
         speculate: False decodes one token per target step.
         qos, deadline_s: QoS class and absolute deadline (monotonic seconds) for QoS schedulers.
         prefix_embeds_key: opaque key of precomputed input embeddings (VLM visual tokens) held by the executor.
+        logits_processors: per-request rules applied to every verified logits row along that row's own token
+            path, before argmax / sampling (:mod:`specstream.stages.speculative.logits`; objects, no tensors).
     """
 
     request_id: str
@@ -79,6 +81,7 @@ class Request:
     deadline_s: float | None = None
     arrival_s: float = field(default_factory=time.monotonic)
     prefix_embeds_key: str | None = None
+    logits_processors: tuple = ()
     # state
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None

@@ -20,6 +20,7 @@ from specstream.kernels.tree_attention import build_tree_mask
 from specstream.kernels.verification import VerifyResult, sample_from, verify_greedy, verify_stochastic
 from specstream.schedulers.plan import DecodeWork, RequestStepResult, StepOutput, StepPlan
 from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
+from specstream.stages.speculative.logits import apply_logits_processors
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
 from specstream.stages.speculative.tree import TokenTree
 
@@ -62,6 +63,8 @@ class SpeculativeExecutor:
         self._budgets: dict[str, AdaptiveBudget] = {}
         self.target_forwards = 0
         self.prefix_embeds: dict[str, torch.Tensor] = {}
+        # request id -> encoder output [S_enc, d] (encoder-decoder targets), handed to the target at prefill
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
 
     # -- bookkeeping ----------------------------------------------------------------------------------------
     def release(self, request_id: str, slot: int) -> None:
@@ -71,6 +74,7 @@ class SpeculativeExecutor:
         self._rngs.pop(request_id, None)
         self._budgets.pop(request_id, None)
         self.prefix_embeds.pop(request_id, None)
+        self.encoder_outputs.pop(request_id, None)
 
     def _rng(self, request_id: str, seed: int) -> random.Random:
         if request_id not in self._rngs:
@@ -118,6 +122,9 @@ class SpeculativeExecutor:
             req = work.request
             n = len(req.prompt_ids)
             self.cache.reset(work.slot)
+            enc = self.encoder_outputs.pop(req.request_id, None)
+            if enc is not None:
+                self.target.set_encoder_output(self.cache, work.slot, enc)
             rows.append(_Row(req.request_id, work.slot, list(req.prompt_ids), list(range(n)), list(range(n)),
                              torch.ones((n, n), dtype=torch.bool).tril_(), 0, [n - 1], None, work))
         for work in plan.decodes:
@@ -175,6 +182,15 @@ class SpeculativeExecutor:
         self.target_forwards += 1
         return logits.cpu()
 
+    @staticmethod
+    def _histories(row: _Row) -> list[list[int]]:
+        """Per logits row, the tokens before the one it predicts: the prompt (prefill), or context + the draft
+        tokens on the tree path root -> node (decode)."""
+        context = row.work.request.context
+        if row.tree is None:
+            return [context]
+        return [context + row.tree.path_tokens(i) for i in range(len(row.logit_rows))]
+
     def _commit(self, row: _Row, logits: torch.Tensor) -> RequestStepResult:
         """Verify one row's logits ``[R, V]`` and commit its tokens (KV commit included)."""
         req = row.work.request
@@ -182,6 +198,8 @@ class SpeculativeExecutor:
         if not bool(torch.isfinite(logits).all()):
             return RequestStepResult(req.request_id, is_prefill=is_prefill, error={
                 "code": "numerical_error", "message": "the target produced NaN or infinite logits"})
+        if req.logits_processors:
+            logits = apply_logits_processors(req.logits_processors, self._histories(row), logits)
         params = req.sampling
         if is_prefill:
             if params.greedy:
