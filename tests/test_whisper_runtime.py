@@ -14,6 +14,7 @@ from specstream.stages.speculative.models.loader import load_decoder
 from specstream.stages.speculative.models.tiny_whisper import TinyWhisperSpec, build_tiny_whisper
 from specstream.stages.speculative.models.whisper import WhisperDecoder, load_whisper_encoder
 from specstream.stages.speculative.tree import TokenTree
+from whisper_fixtures import one_torch_thread  # noqa: F401  (autouse)
 
 SPEC = TinyWhisperSpec(max_source_positions=32, max_target_positions=64)
 ATOL = 1e-4
