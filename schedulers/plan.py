@@ -94,6 +94,8 @@ class Request:
         encodes: media to encode before the prefill (QoS scheduler; the FIFO scheduler ignores it).
         preemptions: times the request lost its KV cache to a higher class or memory pressure; it then waits,
             and resumes by prefilling ``prompt_ids + output_ids`` (:attr:`PrefillWork.tokens`).
+        logits_processors: per-request rules applied to every verified logits row along that row's own token
+            path, before argmax / sampling (:mod:`specstream.stages.speculative.logits`; objects, no tensors).
     """
 
     request_id: str
@@ -109,6 +111,7 @@ class Request:
     draft_prompt_ids: list[int] | None = None
     visual_span: tuple[int, int] | None = None
     encodes: tuple[EncodeItem, ...] = ()
+    logits_processors: tuple = ()
     # state
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None

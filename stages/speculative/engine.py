@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +23,7 @@ from specstream.stages.speculative.drafters.base import Drafter
 from specstream.stages.speculative.drafters.model import ModelDrafter, TreeSpec
 from specstream.stages.speculative.drafters.ngram import NgramDrafter
 from specstream.stages.speculative.executor import SpeculativeExecutor
+from specstream.stages.speculative.logits import LogitsProcessor
 from specstream.stages.speculative.models.llama import LlamaDecoder
 from specstream.stages.speculative.models.loader import (
     Checkpoint,
@@ -114,8 +115,12 @@ class SpeculativeEngine:
 
     # -- requests -------------------------------------------------------------------------------------------
     def make_request(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
-                     request_id: str | None = None, speculate: bool = True, **kwargs) -> Request:
+                     request_id: str | None = None, speculate: bool = True,
+                     logits_processors: Sequence[LogitsProcessor] = (), **kwargs) -> Request:
         """Validate and build a request (not yet queued).
+
+        ``logits_processors`` rewrite the target's scores before argmax / sampling, per tree node along its own
+        path (:mod:`specstream.stages.speculative.logits`).
 
         Raises:
             InvalidRequestError: empty prompt, ids outside the vocabulary, ``max_new_tokens < 1``.
@@ -137,11 +142,29 @@ class SpeculativeEngine:
             )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, prompt_ids, max_new_tokens, sampling or SamplingParams(),
-                       kwargs.pop("eos_token_ids", self.eos_token_ids), speculate, **kwargs)
+                       kwargs.pop("eos_token_ids", self.eos_token_ids), speculate,
+                       logits_processors=tuple(logits_processors), **kwargs)
 
-    def add_request(self, request: Request, on_tokens: TokenCallback | None = None) -> Request:
-        """Queue a request; ``on_tokens(request, new_tokens)`` is called after every step that commits tokens."""
+    def add_request(self, request: Request, on_tokens: TokenCallback | None = None,
+                    encoder_output: torch.Tensor | None = None) -> Request:
+        """Queue a request; ``on_tokens(request, new_tokens)`` is called after every step that commits tokens.
+
+        Args:
+            encoder_output: ``[S_enc, d_model]`` for encoder-decoder targets (Whisper): handed to
+                ``target.set_encoder_output(cache, slot, encoder_output)`` when the request is prefilled.
+
+        Raises:
+            InvalidRequestError: an encoder output for a decoder-only target, or none for a target that
+                requires one.
+        """
+        needs = getattr(self.target, "requires_encoder_output", False)
+        if encoder_output is not None and not hasattr(self.target, "set_encoder_output"):
+            raise InvalidRequestError("this target decoder takes no encoder output")
+        if encoder_output is None and needs:
+            raise InvalidRequestError("this target decoder needs an encoder output per request")
         self.scheduler.add(request)
+        if encoder_output is not None:
+            self.executor.encoder_outputs[request.request_id] = encoder_output
         if on_tokens is not None:
             self._callbacks[request.request_id] = on_tokens
         return request

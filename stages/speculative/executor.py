@@ -29,6 +29,7 @@ from specstream.schedulers.plan import (
     StepPlan,
 )
 from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
+from specstream.stages.speculative.logits import apply_logits_processors
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
 from specstream.stages.speculative.tree import TokenTree
 
@@ -82,6 +83,8 @@ class SpeculativeExecutor:
         #: encoder registry: modality -> callable run on each :class:`EncodeWork` of that modality. It encodes
         #: the items (found by ``item_id``) and may store ``prefix_embeds`` for their requests.
         self.encoders: dict[str, Callable[[EncodeWork], None]] = {}
+        # request id -> encoder output [S_enc, d] (encoder-decoder targets), handed to the target at prefill
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
 
     # -- bookkeeping ----------------------------------------------------------------------------------------
     def release(self, request_id: str, slot: int) -> None:
@@ -91,6 +94,7 @@ class SpeculativeExecutor:
         self._rngs.pop(request_id, None)
         self._budgets.pop(request_id, None)
         self.prefix_embeds.pop(request_id, None)
+        self.encoder_outputs.pop(request_id, None)
 
     def preempt(self, request_id: str, slot: int) -> None:
         """Free a preempted request's KV cache (target and drafters); keep what its resume needs: the random
@@ -164,6 +168,9 @@ class SpeculativeExecutor:
             tokens = work.tokens  # prompt, + committed output when resuming after preemption
             n = len(tokens)
             self.cache.reset(work.slot)
+            enc = self.encoder_outputs.pop(req.request_id, None)
+            if enc is not None:
+                self.target.set_encoder_output(self.cache, work.slot, enc)
             rows.append(_Row(req.request_id, work.slot, list(tokens), list(range(n)), list(range(n)),
                              torch.ones((n, n), dtype=torch.bool).tril_(), 0, [n - 1], None, work))
         for work in plan.decodes:
@@ -176,7 +183,13 @@ class SpeculativeExecutor:
                              list(range(base, base + t)), ct.ancestor_mask, base, list(range(t)), tree, work))
         t_verify = time.perf_counter()
         logits = self._target_forward(rows)
-        dists = self._target_distributions(rows, logits)
+        finite = torch.isfinite(logits).all(-1)  # [B, R], before processors add their -inf
+        for i, row in enumerate(rows):
+            procs = row.work.request.logits_processors
+            if procs and bool(finite[i, : len(row.logit_rows)].all()):
+                r = len(row.logit_rows)
+                logits[i, :r] = apply_logits_processors(procs, self._histories(row), logits[i, :r])
+        dists = self._target_distributions(rows, logits, finite)
         results = []
         for i, row in enumerate(rows):
             results.append(self._commit(row, logits[i, : len(row.logit_rows)], dists[i]))
@@ -224,10 +237,10 @@ class SpeculativeExecutor:
         return logits.cpu()
 
     @staticmethod
-    def _target_distributions(rows: list[_Row], logits: torch.Tensor) -> list[torch.Tensor]:
+    def _target_distributions(rows: list[_Row], logits: torch.Tensor, finite: torch.Tensor) -> list:
         """Per row: argmax ids ``[R]`` (greedy rows) or target distributions ``[R, V]`` float64 (sample rows),
-        computed batched per distinct sampling parameters; rows with non-finite logits get None."""
-        finite = torch.isfinite(logits).all(-1)  # [B, R]
+        computed batched per distinct sampling parameters; rows whose raw logits were not finite
+        (``finite [B, R]`` False) get None."""
         out: list = [None] * len(rows)
         groups: dict[tuple, list[int]] = {}
         for i, row in enumerate(rows):
@@ -245,6 +258,15 @@ class SpeculativeExecutor:
             for j, i in enumerate(idx):
                 out[i] = dist[j, : len(rows[i].logit_rows)]
         return out
+
+    @staticmethod
+    def _histories(row: _Row) -> list[list[int]]:
+        """Per logits row, the tokens before the one it predicts: the prefilled tokens (prefill), or context +
+        the draft tokens on the tree path root -> node (decode)."""
+        if row.tree is None:
+            return [list(row.tokens)]
+        context = row.work.request.context
+        return [context + row.tree.path_tokens(i) for i in range(len(row.logit_rows))]
 
     def _commit(self, row: _Row, logits: torch.Tensor, dist: torch.Tensor | None) -> RequestStepResult:
         """Verify one row (``dist``: argmax ids or target distributions of its ``R`` logit rows) and commit."""

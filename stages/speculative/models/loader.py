@@ -64,7 +64,11 @@ class Checkpoint:
 
     def eos_token_ids(self) -> tuple[int, ...]:
         """EOS ids: ``config.json``'s ``eos_token_id`` (text or outer config), else the generation config's."""
-        ids = self.decoder_config().eos_token_ids
+        if self.config.get("model_type") == "whisper":
+            value = self.config.get("eos_token_id")
+            ids = () if value is None else ((value,) if isinstance(value, int) else tuple(value))
+        else:
+            ids = self.decoder_config().eos_token_ids
         if not ids:
             value = self.generation_config.get("eos_token_id")
             if value is not None:
@@ -163,7 +167,8 @@ def load_state_dict(files: list[Path], key_map, device: str | torch.device = "cp
 def load_decoder(
     checkpoint: Checkpoint | str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ):
-    """Build a :class:`LlamaDecoder` from a checkpoint and load its weights (strict: every tensor must exist).
+    """Build the decoder runtime of a checkpoint and load its weights (strict: every tensor must exist):
+    a :class:`LlamaDecoder` for Llama-family models, a ``WhisperDecoder`` for Whisper.
 
     Raises:
         CheckpointNotFoundError, UnsupportedArchitectureError.
@@ -171,6 +176,10 @@ def load_decoder(
     from specstream.stages.speculative.models.llama import LlamaDecoder
 
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
+    if ckpt.config.get("model_type") == "whisper":
+        from specstream.stages.speculative.models.whisper import load_whisper_decoder
+
+        return load_whisper_decoder(ckpt, dtype, device)
     cfg = ckpt.decoder_config()
     state = load_state_dict(ckpt.weight_files(), _decoder_key, device)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:

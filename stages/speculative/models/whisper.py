@@ -1,0 +1,411 @@
+"""Whisper decoder runtime (Radford et al. 2022) with a static per-slot KV cache, tree attention and
+cross-attention to a per-slot encoder output.
+
+Duck-typed like :class:`~specstream.stages.speculative.models.llama.LlamaDecoder` (``forward_batch``,
+``new_cache``, ``embed``, ``config.vocab_size``, ``config.max_position_embeddings``, ``dtype``, ``device``), so the
+speculative executor verifies Whisper token trees exactly as it verifies Llama ones. The module tree mirrors
+Hugging Face's ``WhisperForConditionalGeneration`` (``model.decoder.layers.N.self_attn.q_proj`` ...), so its
+checkpoints load by name; ``proj_out`` is tied to ``model.decoder.embed_tokens``.
+
+The decoder differs from Llama in four ways: learned absolute positions (no RoPE), pre-LayerNorm blocks with
+biases (the self-attention key projection has none), GELU MLPs, and a cross-attention block per layer that
+attends to the encoder output. The cross-attention keys/values depend on the audio only, so they are computed
+once per request (:meth:`WhisperDecoder.set_encoder_output`) into per-slot storage of the :class:`WhisperKVCache`.
+The encoder itself runs as Hugging Face's ``WhisperEncoder`` module (:func:`load_whisper_encoder`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specstream.errors import UnsupportedArchitectureError
+from specstream.kernels.tree_attention import tree_attention
+from specstream.stages.speculative.models.kv_cache import KVCache
+from specstream.stages.speculative.models.llama import ForwardBatch
+
+
+@dataclass(frozen=True)
+class WhisperDecoderConfig:
+    """The fields of a Whisper ``config.json`` the decoder runtime needs (see :func:`whisper_config_from_dict`).
+
+    ``max_position_embeddings`` is Whisper's ``max_target_positions`` (448 tokens for the released models);
+    ``max_source_positions`` is the encoder output length (1500 frames = 30 s).
+    """
+
+    vocab_size: int
+    d_model: int
+    decoder_layers: int
+    decoder_attention_heads: int
+    decoder_ffn_dim: int
+    max_position_embeddings: int
+    max_source_positions: int
+    num_mel_bins: int
+    activation_function: str = "gelu"
+    eos_token_ids: tuple[int, ...] = ()
+    decoder_start_token_id: int | None = None
+    model_type: str = "whisper"
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.decoder_attention_heads
+
+    # Llama-style aliases read by generic code (the executor, the KV cache budget)
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.decoder_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.d_model
+
+
+def whisper_config_from_dict(cfg: dict[str, Any]) -> WhisperDecoderConfig:
+    """Build a :class:`WhisperDecoderConfig` from a parsed Hugging Face Whisper ``config.json``.
+
+    Raises:
+        UnsupportedArchitectureError: not a Whisper config, or an activation the runtime lacks.
+    """
+    if cfg.get("model_type") != "whisper":
+        raise UnsupportedArchitectureError(f"not a Whisper config: model_type={cfg.get('model_type')!r}")
+    act = cfg.get("activation_function", "gelu")
+    if act not in _ACTIVATIONS:
+        raise UnsupportedArchitectureError(f"Whisper activation {act!r} is not supported ({sorted(_ACTIVATIONS)})")
+    d_model = int(cfg["d_model"])
+    heads = int(cfg["decoder_attention_heads"])
+    if d_model % heads:
+        raise UnsupportedArchitectureError(f"d_model {d_model} is not a multiple of {heads} heads")
+    eos = cfg.get("eos_token_id")
+    eos_ids = () if eos is None else ((int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos))
+    return WhisperDecoderConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        d_model=d_model,
+        decoder_layers=int(cfg["decoder_layers"]),
+        decoder_attention_heads=heads,
+        decoder_ffn_dim=int(cfg["decoder_ffn_dim"]),
+        max_position_embeddings=int(cfg.get("max_target_positions", 448)),
+        max_source_positions=int(cfg.get("max_source_positions", 1500)),
+        num_mel_bins=int(cfg.get("num_mel_bins", 80)),
+        activation_function=act,
+        eos_token_ids=eos_ids,
+        decoder_start_token_id=cfg.get("decoder_start_token_id"),
+        raw=dict(cfg),
+    )
+
+
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class WhisperKVCache(KVCache):
+    """A :class:`KVCache` for the decoder's self-attention plus per-slot cross-attention keys/values.
+
+    Extra layout: ``cross_k`` / ``cross_v`` ``[num_layers, num_slots, num_heads, max_source_len, head_dim]``
+    (the encoder output projected by each layer's ``encoder_attn.k_proj`` / ``v_proj``), ``enc_lengths[s]`` the
+    number of valid encoder frames of slot ``s`` (0 until :meth:`WhisperDecoder.set_encoder_output`).
+    ``reset(slot)`` forgets the self-attention entries; the cross entries stay until the next request of the
+    slot overwrites them.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_heads: int, max_len: int, head_dim: int,
+                 max_source_len: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        super().__init__(num_layers, num_slots, num_heads, max_len, head_dim, dtype, device)
+        shape = (num_layers, num_slots, num_heads, max_source_len, head_dim)
+        self.cross_k = torch.zeros(shape, dtype=dtype, device=device)
+        self.cross_v = torch.zeros(shape, dtype=dtype, device=device)
+        self.enc_lengths = [0] * num_slots
+        self.max_source_len = max_source_len
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.cross_k.numel() * self.cross_k.element_size() * 2
+
+    def reset(self, slot: int) -> None:
+        """Forget a slot's contents, its encoder output included."""
+        super().reset(slot)
+        self.enc_lengths[slot] = 0
+
+
+class WhisperSelfAttention(nn.Module):
+    """Masked self-attention over the slot's cache columns (tree masks come from the caller)."""
+
+    def __init__(self, cfg: WhisperDecoderConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.decoder_attention_heads
+        self.head_dim = cfg.head_dim
+        d = cfg.d_model
+        self.q_proj = nn.Linear(d, d, bias=True)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=True)
+        self.out_proj = nn.Linear(d, d, bias=True)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, t, _ = x.shape
+        return x.view(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, cache: WhisperKVCache, batch: ForwardBatch, key_len: int, mask: torch.Tensor):
+        bsz, t, _ = x.shape
+        q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        cache.write(self.layer, batch.slots, batch.write_index, k, v)
+        keys, values = cache.read(self.layer, batch.slots, key_len)
+        want = self.layer in batch.attention_layers
+        out, probs = tree_attention(q, keys, values, mask, self.head_dim**-0.5, return_probs=want)
+        return self.out_proj(out.transpose(1, 2).reshape(bsz, t, -1)), probs
+
+
+class WhisperCrossAttention(nn.Module):
+    """Attention of decoder tokens to the slot's encoder output (keys/values precomputed per slot)."""
+
+    def __init__(self, cfg: WhisperDecoderConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.decoder_attention_heads
+        self.head_dim = cfg.head_dim
+        d = cfg.d_model
+        self.q_proj = nn.Linear(d, d, bias=True)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=True)
+        self.out_proj = nn.Linear(d, d, bias=True)
+
+    def project(self, encoder_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[num_heads, S_enc, head_dim]`` of ``encoder_hidden`` ``[S_enc, d_model]``."""
+        s = encoder_hidden.shape[0]
+        k = self.k_proj(encoder_hidden).view(s, self.num_heads, self.head_dim).transpose(0, 1)
+        v = self.v_proj(encoder_hidden).view(s, self.num_heads, self.head_dim).transpose(0, 1)
+        return k, v
+
+    def forward(self, x, cache: WhisperKVCache, batch: ForwardBatch, enc_len: int, enc_mask: torch.Tensor | None):
+        bsz, t, _ = x.shape
+        q = self.q_proj(x).view(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
+        keys = _slot_rows(cache.cross_k[self.layer], batch.slots)[:, :, :enc_len]
+        values = _slot_rows(cache.cross_v[self.layer], batch.slots)[:, :, :enc_len]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=enc_mask, scale=self.head_dim**-0.5)
+        return self.out_proj(out.transpose(1, 2).reshape(bsz, t, -1))
+
+
+def _slot_rows(storage: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``storage[slots]`` without a copy when ``slots`` is a contiguous increasing range (the common case)."""
+    first = int(slots[0])
+    if bool((slots == torch.arange(first, first + slots.numel(), device=slots.device)).all()):
+        return storage[first:first + slots.numel()]
+    return storage[slots]
+
+
+class WhisperDecoderLayer(nn.Module):
+    def __init__(self, cfg: WhisperDecoderConfig, layer: int):
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = WhisperSelfAttention(cfg, layer)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = WhisperCrossAttention(cfg, layer)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.decoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.decoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.act = _ACTIVATIONS[cfg.activation_function]
+
+    def forward(self, x, cache, batch, key_len, mask, enc_len, enc_mask):
+        attn, probs = self.self_attn(self.self_attn_layer_norm(x), cache, batch, key_len, mask)
+        x = x + attn
+        x = x + self.encoder_attn(self.encoder_attn_layer_norm(x), cache, batch, enc_len, enc_mask)
+        x = x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
+        return x, probs
+
+
+class _DecoderStack(nn.Module):
+    def __init__(self, cfg: WhisperDecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.d_model)
+        self.layers = nn.ModuleList(WhisperDecoderLayer(cfg, i) for i in range(cfg.decoder_layers))
+        self.layer_norm = nn.LayerNorm(cfg.d_model)
+
+
+class _WhisperModel(nn.Module):
+    def __init__(self, cfg: WhisperDecoderConfig):
+        super().__init__()
+        self.decoder = _DecoderStack(cfg)
+
+
+class WhisperDecoder(nn.Module):
+    """Whisper's text decoder reading and writing a :class:`WhisperKVCache`.
+
+    Build with :func:`load_whisper_decoder` (or ``loader.load_decoder`` on a Whisper checkpoint); per request,
+    call :meth:`set_encoder_output` once, then :meth:`forward_batch` for the prompt and every token tree.
+    """
+
+    #: the engine refuses requests without an encoder output (see ``SpeculativeEngine.add_request``)
+    requires_encoder_output = True
+
+    def __init__(self, cfg: WhisperDecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = _WhisperModel(cfg)
+        self.proj_out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def tie_weights(self) -> None:
+        self.proj_out.weight = self.model.decoder.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.decoder.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.decoder.embed_tokens.weight.device
+
+    def new_cache(self, num_slots: int, max_len: int) -> WhisperKVCache:
+        cfg = self.config
+        return WhisperKVCache(cfg.decoder_layers, num_slots, cfg.decoder_attention_heads, max_len, cfg.head_dim,
+                              cfg.max_source_positions, self.dtype, self.device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[B, T, d_model]`` for ``input_ids`` ``[B, T]`` (positions are added in the forward)."""
+        return self.model.decoder.embed_tokens(input_ids)
+
+    @torch.inference_mode()
+    def set_encoder_output(self, cache: WhisperKVCache, slot: int, encoder_hidden: torch.Tensor) -> None:
+        """Project one request's encoder output into ``slot``'s cross-attention keys/values.
+
+        Args:
+            cache: this decoder's cache.
+            slot: the request's KV cache slot.
+            encoder_hidden: ``[S_enc, d_model]`` (or ``[1, S_enc, d_model]``), ``S_enc <= max_source_positions``.
+
+        Raises:
+            ValueError: wrong shape or too long.
+        """
+        if encoder_hidden.ndim == 3 and encoder_hidden.shape[0] == 1:
+            encoder_hidden = encoder_hidden[0]
+        if encoder_hidden.ndim != 2 or encoder_hidden.shape[1] != self.config.d_model:
+            raise ValueError(f"encoder output must be [S_enc, {self.config.d_model}], got {tuple(encoder_hidden.shape)}")
+        s = encoder_hidden.shape[0]
+        if not 0 < s <= cache.max_source_len:
+            raise ValueError(f"encoder output of {s} frames does not fit the cache ({cache.max_source_len})")
+        enc = encoder_hidden.to(device=self.device, dtype=self.dtype)
+        for i, layer in enumerate(self.model.decoder.layers):
+            k, v = layer.encoder_attn.project(enc)
+            cache.cross_k[i, slot, :, :s] = k
+            cache.cross_v[i, slot, :, :s] = v
+        cache.enc_lengths[slot] = s
+
+    def _encoder_mask(self, cache: WhisperKVCache, slots: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        lengths = [cache.enc_lengths[int(s)] for s in slots.tolist()]
+        if min(lengths) == 0:
+            raise ValueError("forward on a slot without encoder output: call set_encoder_output first")
+        enc_len = max(lengths)
+        if min(lengths) == enc_len:
+            return enc_len, None
+        cols = torch.arange(enc_len, device=self.device)
+        mask = cols[None, :] < torch.tensor(lengths, device=self.device)[:, None]  # [B, S_enc]
+        return enc_len, mask[:, None, None, :]
+
+    @torch.inference_mode()
+    def forward_batch(self, cache: WhisperKVCache, batch: ForwardBatch) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Run the decoder over ``batch``, writing its self-attention keys/values into ``cache``.
+
+        Position ids index the learned position table (``< max_position_embeddings``).
+
+        Returns:
+            ``(logits [B, R, vocab] float32, {layer: self-attention probs [B, H, T, S]})``.
+
+        Raises:
+            ValueError: bad shapes, positions out of range, a slot without encoder output.
+        """
+        if batch.input_ids.ndim != 2 or batch.attn_mask.ndim != 3:
+            raise ValueError("input_ids must be [B, T] and attn_mask [B, T, S]")
+        if int(batch.position_ids.max()) >= self.config.max_position_embeddings:
+            raise ValueError(f"position {int(batch.position_ids.max())} beyond the decoder's "
+                             f"{self.config.max_position_embeddings} positions")
+        dec = self.model.decoder
+        x = batch.inputs_embeds if batch.inputs_embeds is not None else self.embed(batch.input_ids)
+        x = x.to(self.dtype) + dec.embed_positions(batch.position_ids)
+        key_len = batch.attn_mask.shape[-1]
+        cache.positions[batch.slots[:, None], batch.write_index] = batch.position_ids
+        enc_len, enc_mask = self._encoder_mask(cache, batch.slots)
+        probs: dict[int, torch.Tensor] = {}
+        for layer in dec.layers:
+            x, p = layer(x, cache, batch, key_len, batch.attn_mask, enc_len, enc_mask)
+            if p is not None:
+                probs[layer.self_attn.layer] = p
+        if batch.logit_index is not None:
+            x = torch.gather(x, 1, batch.logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
+        x = dec.layer_norm(x)
+        return self.proj_out(x).float(), probs
+
+
+def _decoder_key(key: str) -> str | None:
+    # proj_out.weight is tied to the token embeddings; model.encoder.* is loaded by load_whisper_encoder
+    return key if key.startswith("model.decoder.") else None
+
+
+def load_whisper_decoder(checkpoint, dtype: str | torch.dtype = "float32", device: str = "cpu") -> WhisperDecoder:
+    """Build a :class:`WhisperDecoder` from a Hugging Face Whisper checkpoint (dir, hub id or ``Checkpoint``).
+
+    Every decoder tensor must be present (strict); the output projection is tied to the token embeddings.
+
+    Raises:
+        CheckpointNotFoundError, UnsupportedArchitectureError.
+    """
+    from specstream.stages.speculative.models.loader import Checkpoint, load_state_dict, parse_dtype, \
+        resolve_checkpoint
+
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
+    cfg = whisper_config_from_dict(ckpt.config)
+    if ckpt.config.get("tie_word_embeddings") is False:
+        raise UnsupportedArchitectureError(f"{ckpt.path}: Whisper with untied output embeddings is not supported")
+    state = load_state_dict(ckpt.weight_files(), _decoder_key, device)
+    with torch.device("meta"):
+        model = WhisperDecoder(cfg)
+    model.to_empty(device=device)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if m != "proj_out.weight"]
+    if missing or unexpected:
+        raise UnsupportedArchitectureError(
+            f"{ckpt.path}: weights do not match a Whisper decoder (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    model.tie_weights()
+    model.to(parse_dtype(dtype))
+    model.eval()
+    return model
+
+
+def load_whisper_encoder(checkpoint, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+    """Hugging Face's ``WhisperEncoder`` with the checkpoint's ``model.encoder.*`` weights (strict).
+
+    Input: log-mel features ``[B, num_mel_bins, 2 * max_source_positions]``; output ``last_hidden_state``
+    ``[B, max_source_positions, d_model]``.
+
+    Raises:
+        CheckpointNotFoundError, UnsupportedArchitectureError.
+    """
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    from specstream.stages.speculative.models.loader import Checkpoint, load_state_dict, parse_dtype, \
+        resolve_checkpoint
+
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
+    whisper_config_from_dict(ckpt.config)  # validates the architecture
+    hf_cfg = WhisperConfig(**{k: v for k, v in ckpt.config.items() if k not in ("architectures", "transformers_version")})
+    prefix = "model.encoder."
+    state = load_state_dict(ckpt.weight_files(), lambda k: k[len(prefix):] if k.startswith(prefix) else None, device)
+    with torch.device("meta"):
+        encoder = WhisperEncoder(hf_cfg)
+    encoder.to_empty(device=device)
+    missing, unexpected = encoder.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UnsupportedArchitectureError(
+            f"{ckpt.path}: weights do not match a Whisper encoder (missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    encoder.to(parse_dtype(dtype))
+    encoder.eval()
+    return encoder

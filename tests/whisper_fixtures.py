@@ -1,0 +1,64 @@
+"""Shared fixtures of the Whisper tests (imported by the test modules; not a conftest so it merges cleanly).
+
+- ``one_torch_thread``: the test machines have 2 cores shared with other jobs; with 2 intra-op threads each
+  small decoder op waits for a descheduled thread (measured: 40x slower under load), so these tests run
+  torch single-threaded and restore the setting afterwards.
+- ``speech_cache``: ``SPECSTREAM_CACHE`` pointed at a temporary directory, so the converted tiny.en weights are
+  written there and not into the user's cache.
+- ``spoken``: espeak-ng sentences as 16 kHz mono WAV files (Debian ``espeak-ng`` and ``ffmpeg`` required).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+SENTENCES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Please call Stella and ask her to bring these things with her from the store.",
+    "We will meet at the station at nine o'clock tomorrow morning.",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def speech_cache(tmp_path_factory):
+    old = os.environ.get("SPECSTREAM_CACHE")
+    path = tmp_path_factory.mktemp("specstream-cache")
+    os.environ["SPECSTREAM_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("SPECSTREAM_CACHE", None)
+    else:
+        os.environ["SPECSTREAM_CACHE"] = old
+
+
+def speak(text: str, out: Path, rate_hz: int = 16000, wpm: int = 160) -> Path:
+    """Speak ``text`` with espeak-ng into a ``rate_hz`` mono 16-bit WAV at ``out``."""
+    for tool in ("espeak-ng", "ffmpeg"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is required (apt-get install espeak-ng ffmpeg)")
+    raw = out.with_suffix(".raw.wav")
+    subprocess.run(["espeak-ng", "-s", str(wpm), "-w", str(raw), text], check=True, capture_output=True)
+    subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-i", str(raw), "-ar", str(rate_hz), "-ac", "1",
+                    "-c:a", "pcm_s16le", str(out)], check=True)
+    raw.unlink()
+    return out
+
+
+@pytest.fixture(scope="session")
+def spoken(tmp_path_factory) -> list[Path]:
+    d = tmp_path_factory.mktemp("speech")
+    return [speak(s, d / f"sentence{i}.wav") for i, s in enumerate(SENTENCES)]
