@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -155,14 +156,17 @@ def default_caption_models(quiet: bool = False) -> tuple[Path, Path]:
     root = cache_dir() / "models"
     target = root / f"tiny-llava-{VERSION}"
     draft = root / f"tiny-llava-draft-{VERSION}"
-    if not (target / "config.json").exists() or not (target / "preprocessor_config.json").exists():
+    if not (target / "config.json").exists() or not any(
+            (target / f).exists() for f in ("processor_config.json", "preprocessor_config.json")):
         tmp = root / f".tmp-tiny-llava-{os.getpid()}"
         build_tiny_llava(tmp)
-        tmp.replace(target) if not target.exists() else None
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.replace(target)
     if not (draft / "config.json").exists():
         tmp = root / f".tmp-tiny-llava-draft-{os.getpid()}"
         build_tiny_text_draft(tmp, target)
-        tmp.replace(draft) if not draft.exists() else None
+        shutil.rmtree(draft, ignore_errors=True)
+        tmp.replace(draft)
     if not quiet:
         print(UNTRAINED_NOTICE, file=sys.stderr)
     return target, draft

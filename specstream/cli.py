@@ -102,6 +102,41 @@ def cmd_generate(args) -> int:
     return 1 if any(r.error for r in reqs) else 0
 
 
+def _add_caption(sub) -> None:
+    p = sub.add_parser("caption", help="caption videos (per keyframe) and images to JSONL",
+                       description="Keyframes -> vision encoding -> speculative decoding with a VLM verifier. "
+                                   "With no --target, built-in tiny models with untrained weights are used.")
+    p.add_argument("inputs", nargs="+", help="video files, images or directories")
+    p.add_argument("--out", default="-", help="JSONL output file (default: stdout)")
+    p.add_argument("--target", help="LLaVA-family checkpoint: dir or hub id (default: built-in tiny model)")
+    p.add_argument("--draft", action="append", default=[], help="draft checkpoint (text LM or VLM); repeatable")
+    p.add_argument("--prompt", default="Describe this image.")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-keyframes-per-minute", type=float, default=None)
+    p.add_argument("--attention-maps", metavar="DIR", help="write a visual-attention overlay PNG per caption")
+    p.add_argument("--tree", default="1,1,3,1,1,1,1,1", help="draft tree widths or dynamic:NODES")
+    p.add_argument("--no-temporal", action="store_true", help="do not draft from the previous keyframe's caption")
+    p.add_argument("--no-visual-aware", action="store_true", help="do not shrink trees where the target looks "
+                                                                  "hard at the image")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-slots", type=int, default=8)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_caption)
+
+
+def cmd_caption(args) -> int:
+    from specstream.pipeline.caption_job import run_caption_job
+
+    summary = run_caption_job(args.inputs, args.out, args.target, args.draft, args.prompt, args.max_new_tokens,
+                              args.max_keyframes_per_minute, args.attention_maps, args.tree,
+                              temporal=not args.no_temporal, visual_aware=not args.no_visual_aware,
+                              dtype=args.dtype, device=args.device, num_slots=args.num_slots,
+                              show_progress=False if args.no_progress else None)
+    print(summary.line(), file=sys.stderr)
+    return 1 if summary.failed_inputs else 0
+
+
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (results go to docs/benchmarks.md)")
     bsub = p.add_subparsers(dest="bench", required=True)
@@ -150,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"specstream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_caption(sub)
     _add_bench(sub)
     for words, (help_text, _) in PASSTHROUGH.items():
         if len(words) == 1:

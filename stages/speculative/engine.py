@@ -81,6 +81,9 @@ class SpeculativeEngine:
         self.vocab_limit = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer else target.config.vocab_size
         self._ids = itertools.count()
         self._callbacks: dict[str, TokenCallback] = {}
+        #: request id -> per committed token, the target's attention mass on the visual tokens ``[n_visual]``
+        #: (requests with a ``visual_span``); the consumer pops it when the request finished
+        self.visual_attention: dict[str, list] = {}
 
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -176,6 +179,8 @@ class SpeculativeEngine:
         output: StepOutput = self.executor.execute(plan)
         finished = self.scheduler.update(output)
         for res in output.results:
+            if res.visual_attention:
+                self.visual_attention.setdefault(res.request_id, []).extend(res.visual_attention)
             cb = self._callbacks.get(res.request_id)
             if cb is not None and (res.new_tokens or res.finish_reason or res.error):
                 cb(self.scheduler.requests[res.request_id], res.new_tokens)

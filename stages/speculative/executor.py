@@ -182,8 +182,11 @@ class SpeculativeExecutor:
             rows.append(_Row(req.request_id, work.slot, ct.tokens.tolist(), (base + ct.depths).tolist(),
                              list(range(base, base + t)), ct.ancestor_mask, base, list(range(t)), tree, work))
         t_verify = time.perf_counter()
-        logits = self._target_forward(rows)
+        logits, attn = self._target_forward(rows)
+        visual = self._visual_attention(rows, attn)
         finite = torch.isfinite(logits).all(-1)  # [B, R], before processors add their -inf
+        if any(row.work.request.logits_processors for row in rows):
+            logits = logits.clone()  # an inference tensor cannot be edited in place
         for i, row in enumerate(rows):
             procs = row.work.request.logits_processors
             if procs and bool(finite[i, : len(row.logit_rows)].all()):
@@ -192,7 +195,7 @@ class SpeculativeExecutor:
         dists = self._target_distributions(rows, logits, finite)
         results = []
         for i, row in enumerate(rows):
-            results.append(self._commit(row, logits[i, : len(row.logit_rows)], dists[i]))
+            results.append(self._commit(row, logits[i, : len(row.logit_rows)], dists[i], visual[i]))
         verify_s = time.perf_counter() - t_verify
         n_dec = max(1, len(plan.decodes))
         results = [
@@ -202,7 +205,9 @@ class SpeculativeExecutor:
         return StepOutput(plan.step, tuple(results), 1, sum(len(r.tokens) for r in rows),
                           time.perf_counter() - t_start, encoded)
 
-    def _target_forward(self, rows: list[_Row]) -> torch.Tensor:
+    def _target_forward(self, rows: list[_Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """One target forward over every row; returns (logits ``[B, R, V]`` on CPU, attention probs of
+        :attr:`attention_layers` ``{layer: [B, Hq, T, S]}`` when a row has a visual span, else ``{}``)."""
         device = self.target.device
         b = len(rows)
         t = max(len(r.tokens) for r in rows)
@@ -231,10 +236,24 @@ class SpeculativeExecutor:
             slots=torch.tensor([r.slot for r in rows], dtype=torch.long, device=device),
             input_ids=ids.to(device), position_ids=pos.to(device), write_index=cols.to(device),
             attn_mask=mask.to(device), logit_index=lidx.to(device), inputs_embeds=embeds,
+            attention_layers=self.attention_layers if any(r.work.request.visual_span for r in rows) else (),
         )
-        logits, _ = self.target.forward_batch(self.cache, batch)
+        logits, attn = self.target.forward_batch(self.cache, batch)
         self.target_forwards += 1
-        return logits.cpu()
+        return logits.cpu(), attn
+
+    def _visual_attention(self, rows: list[_Row], attn: dict[int, torch.Tensor]) -> list[np.ndarray | None]:
+        """Per row with a visual span: the attention mass on its visual tokens for every query row,
+        ``[T_b, n_visual]`` (mean over heads and :attr:`attention_layers`); None for other rows."""
+        out: list[np.ndarray | None] = [None] * len(rows)
+        if not attn:
+            return out
+        stacked = torch.stack([attn[layer] for layer in sorted(attn)]).mean(0).mean(1)  # [B, T, S]
+        for i, row in enumerate(rows):
+            span = row.work.request.visual_span
+            if span is not None:
+                out[i] = stacked[i, : len(row.tokens), span[0]:span[1]].float().cpu().numpy()
+        return out
 
     @staticmethod
     def _target_distributions(rows: list[_Row], logits: torch.Tensor, finite: torch.Tensor) -> list:
@@ -268,7 +287,8 @@ class SpeculativeExecutor:
         context = row.work.request.context
         return [context + row.tree.path_tokens(i) for i in range(len(row.logit_rows))]
 
-    def _commit(self, row: _Row, logits: torch.Tensor, dist: torch.Tensor | None) -> RequestStepResult:
+    def _commit(self, row: _Row, logits: torch.Tensor, dist: torch.Tensor | None,
+                visual: np.ndarray | None = None) -> RequestStepResult:
         """Verify one row (``dist``: argmax ids or target distributions of its ``R`` logit rows) and commit."""
         req = row.work.request
         is_prefill = row.tree is None
@@ -306,13 +326,26 @@ class SpeculativeExecutor:
             self.cache.compact(row.slot, row.prefix, [row.prefix + i for i in result.path[:keep]])
             for d in self.drafters:
                 d.observe(req.request_id, row.tree, result.path[:keep], new)
+        vis: tuple = ()
+        if visual is not None:
+            # the row that predicted committed token k: the prompt's last row (prefill) or path node k (tree)
+            src = [len(row.tokens) - 1] if is_prefill else list(result.path)
+            vis = tuple(visual[src[k]] for k in range(min(len(new), len(src))))
         if reason is not None:
             self.release(req.request_id, row.slot)  # finished: nothing of it stays cached
-            return RequestStepResult(req.request_id, tuple(new), num_accepted, is_prefill, reason, None, 1)
+            return RequestStepResult(req.request_id, tuple(new), num_accepted, is_prefill, reason, None, 1,
+                                     visual_attention=vis)
         requested = 1
         if req.speculate and self.drafters:
             budget = self._budget(req.request_id)
             if not is_prefill:
                 budget.observe(num_accepted, len(row.tree))
             requested = budget.requested_nodes() if self.adaptive else self.full_nodes
-        return RequestStepResult(req.request_id, tuple(new), num_accepted, is_prefill, reason, None, requested)
+            if self.visual_aware and visual is not None and vis:
+                # the node that predicted the last committed token is where the next tree starts: when the
+                # target looks hard at the image there, a text-only draft is weakest, so ask for a smaller tree
+                mass = float(vis[-1].sum())
+                if mass > self.visual_mass_threshold:
+                    requested = max(2, int(round(requested * (1.0 - mass))))
+        return RequestStepResult(req.request_id, tuple(new), num_accepted, is_prefill, reason, None, requested,
+                                 visual_attention=vis)

@@ -1,0 +1,81 @@
+"""The broker interface between stages: every edge of the stage graph is a topic.
+
+:class:`InProcessBroker` (the embedded default) keeps topics as asyncio queues and passes message objects as
+they are; a Kafka implementation carries the same messages serialised. Stage code sees only :class:`Broker`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+TOPIC_REQUESTS = "specstream.requests"
+TOPIC_FRAMES = "specstream.frames.tasks"  # keyframe stage -> caption stage
+TOPIC_RESULTS = "specstream.results"
+
+
+@dataclass
+class Message:
+    """A message on a topic: ``key`` (e.g. request or stream id), ``value`` (object or bytes), headers."""
+
+    topic: str
+    key: str | None
+    value: Any
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class Broker(abc.ABC):
+    @abc.abstractmethod
+    async def publish(self, topic: str, key: str | None, value: Any, headers: dict[str, str] | None = None) -> None:
+        """Append a message to ``topic``; returns once the broker has it."""
+
+    @abc.abstractmethod
+    def subscribe(self, topic: str) -> AsyncIterator[Message]:
+        """Messages of ``topic`` in order, until the broker closes."""
+
+    async def close(self) -> None:
+        """Stop every subscription after the messages already published."""
+
+
+_CLOSED = object()
+
+
+class InProcessBroker(Broker):
+    """Topics as unbounded asyncio queues, one consumer per topic (a stage), in one event loop.
+
+    Args:
+        maxsize: queue bound per topic (0 = unbounded); a full queue makes ``publish`` wait (backpressure).
+    """
+
+    def __init__(self, maxsize: int = 0):
+        self._maxsize = maxsize
+        self._queues: dict[str, asyncio.Queue] = {}
+        self.published: dict[str, int] = {}
+
+    def _queue(self, topic: str) -> asyncio.Queue:
+        if topic not in self._queues:
+            self._queues[topic] = asyncio.Queue(self._maxsize)
+        return self._queues[topic]
+
+    async def publish(self, topic, key, value, headers=None):
+        await self._queue(topic).put(Message(topic, key, value, dict(headers or {})))
+        self.published[topic] = self.published.get(topic, 0) + 1
+
+    async def subscribe(self, topic):
+        q = self._queue(topic)
+        while True:
+            msg = await q.get()
+            if msg is _CLOSED:
+                return
+            yield msg
+
+    async def close_topic(self, topic: str) -> None:
+        """End the subscription of ``topic`` once its queued messages are consumed."""
+        await self._queue(topic).put(_CLOSED)
+
+    async def close(self):
+        for topic in list(self._queues):
+            await self.close_topic(topic)

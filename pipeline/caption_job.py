@@ -1,0 +1,154 @@
+"""``specstream caption``: the stage graph on the in-process broker, fed from files, written to JSONL.
+
+requests -> KeyframeStage -> frames -> CaptionStage -> results -> JSONL sink. The Kafka worker and the HTTP
+API run the same two stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specstream.errors import UnreadableSourceError
+from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, InProcessBroker
+from specstream.pipeline.messages import PipelineRequest, PipelineResult, Source
+from specstream.stages.caption import IMAGE_EXTS, VIDEO_EXTS, Captioner, CaptionStage, KeyframeStage
+
+
+@dataclass
+class CaptionJobSummary:
+    inputs: int = 0
+    failed_inputs: int = 0
+    frames_decoded: int = 0
+    keyframes: int = 0
+    captions: int = 0
+    tokens: int = 0
+    target_steps: int = 0
+    seconds: float = 0.0
+    records: list[dict] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.target_steps if self.target_steps else 0.0
+
+    def line(self) -> str:
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        return (f"{self.inputs} inputs ({self.failed_inputs} failed): {self.frames_decoded} frames decoded, "
+                f"{self.keyframes} keyframes, {self.captions} captions, {self.tokens} tokens in "
+                f"{self.seconds:.1f} s ({tps:.1f} tokens/s), tau {self.tau:.2f}")
+
+
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """Files as given; directories expanded to their media files (sorted). Missing paths stay (they fail)."""
+    out = []
+    for item in inputs:
+        p = Path(item)
+        if p.is_dir():
+            out.extend(str(f) for f in sorted(p.rglob("*"))
+                       if f.is_file() and f.suffix.lower() in IMAGE_EXTS | VIDEO_EXTS)
+        else:
+            out.append(item)
+    return out
+
+
+async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt: str, max_new_tokens: int,
+                            max_keyframes_per_minute: float | None, attention_maps: Path | None,
+                            qos: str = "batch", progress=None) -> CaptionJobSummary:
+    """Run the graph over ``inputs``; write one JSON line per caption / failed input to ``out``."""
+    summary = CaptionJobSummary(inputs=len(inputs))
+    broker = InProcessBroker()
+    kstage = KeyframeStage(broker)
+    cstage = CaptionStage(broker, captioner, attention_maps)
+    params = {"prompt": prompt, "max_new_tokens": max_new_tokens}
+    if max_keyframes_per_minute:
+        params["max_keyframes_per_minute"] = max_keyframes_per_minute
+    ids = []
+    for i, path in enumerate(inputs):
+        rid = f"input-{i}"
+        ids.append(rid)
+        await broker.publish(TOPIC_REQUESTS, rid, PipelineRequest(id=rid, task="caption", source=Source(uri=path),
+                                                                  qos=qos, params=params))
+    t0 = time.perf_counter()
+    kt = asyncio.create_task(kstage.run())
+    ct = asyncio.create_task(cstage.run())
+    await broker.close_topic(TOPIC_REQUESTS)
+    pending = set(ids)
+    failed = set()
+    buffered: dict[str, list[PipelineResult]] = {rid: [] for rid in ids}
+    next_input = 0
+
+    def flush():
+        nonlocal next_input
+        # write inputs in order; each input's records in seq order once its final result arrived
+        while next_input < len(ids) and ids[next_input] not in pending:
+            for res in sorted(buffered[ids[next_input]], key=lambda r: r.seq):
+                rec = res.output if res.status == "ok" else {
+                    "source": inputs[next_input], "error": res.error.model_dump()}
+                out.write(json.dumps(rec) + "\n")
+                summary.records.append(rec)
+            out.flush()
+            next_input += 1
+
+    async for msg in broker.subscribe(TOPIC_RESULTS):
+        res: PipelineResult = msg.value
+        buffered[res.id].append(res)
+        if res.status == "error":
+            failed.add(res.id)
+        if progress is not None and res.status == "ok":
+            progress.update(1)
+        if res.final:
+            pending.discard(res.id)
+            flush()
+        if not pending:
+            break
+    await kt
+    await broker.close_topic(TOPIC_FRAMES)
+    await ct
+    summary.seconds = time.perf_counter() - t0
+    summary.failed_inputs = len(failed)
+    summary.frames_decoded = kstage.frames_decoded
+    summary.keyframes = kstage.keyframes
+    summary.captions = cstage.stats.captions
+    summary.tokens = cstage.stats.tokens
+    summary.target_steps = cstage.stats.target_steps
+    return summary
+
+
+def run_caption_job(inputs: list[str], out_path: str | None, target: str | None = None, drafts: list[str] = (),
+                    prompt: str = "Describe this image.", max_new_tokens: int = 32,
+                    max_keyframes_per_minute: float | None = None, attention_maps: str | None = None,
+                    tree: str = "1,1,3,1,1,1,1,1", temporal: bool = True, visual_aware: bool = True,
+                    dtype: str = "float32", device: str = "cpu", num_slots: int = 8,
+                    show_progress: bool | None = None) -> CaptionJobSummary:
+    """Caption ``inputs`` (files or directories) into ``out_path`` (JSONL; ``-`` for stdout)."""
+    from specstream.pipeline.defaults import default_caption_models
+    from specstream.stages.speculative.drafters.model import TreeSpec
+
+    files = expand_inputs(inputs)
+    if not files:
+        raise UnreadableSourceError(f"no media files in {inputs}")
+    if target is None:
+        target, default_draft = default_caption_models()
+        drafts = list(drafts) or [str(default_draft)]
+    captioner = Captioner(target, drafts, TreeSpec.parse(tree), temporal=temporal, visual_aware=visual_aware,
+                          num_slots=num_slots, dtype=dtype, device=device, attention_maps=attention_maps is not None)
+    show = sys.stderr.isatty() if show_progress is None else show_progress
+    progress = None
+    if show:
+        from tqdm import tqdm
+
+        progress = tqdm(desc="captions", unit="caption", file=sys.stderr)
+    out = sys.stdout if out_path in (None, "-") else open(out_path, "w")
+    try:
+        return asyncio.run(run_caption_graph(files, captioner, out, prompt, max_new_tokens,
+                                             max_keyframes_per_minute,
+                                             Path(attention_maps) if attention_maps else None, progress=progress))
+    finally:
+        if progress is not None:
+            progress.close()
+        if out is not sys.stdout:
+            out.close()

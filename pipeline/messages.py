@@ -1,0 +1,85 @@
+"""Versioned message schemas of the stage graph (pydantic). The same models serve every entry point: the
+``caption`` command (in-process broker), the Kafka worker and the HTTP API.
+
+Wire format of requests and results (JSON, ``schema_version`` 1) is documented in ``docs/messages.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+Task = Literal["caption", "transcribe", "generate", "video_qa"]
+Qos = Literal["realtime", "interactive", "batch"]
+
+
+class Source(BaseModel):
+    """Where the media is: a URI (``file:///...`` or a plain path) or inline base64 bytes."""
+
+    model_config = ConfigDict(extra="forbid")
+    uri: str | None = None
+    data_b64: str | None = None
+    filename: str | None = Field(None, description="name hint for inline data (its extension tells the kind)")
+
+    @model_validator(mode="after")
+    def _one_of(self):
+        if (self.uri is None) == (self.data_b64 is None):
+            raise ValueError("source needs exactly one of 'uri' or 'data_b64'")
+        return self
+
+
+class CaptionParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt: str = "Describe this image."
+    max_new_tokens: int = Field(32, ge=1, le=4096)
+    max_keyframes_per_minute: float | None = Field(None, gt=0)
+
+
+class PipelineRequest(BaseModel):
+    """A request on ``specstream.requests``."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: int = SCHEMA_VERSION
+    id: str = Field(min_length=1, max_length=256)
+    task: Task = "caption"
+    source: Source
+    qos: Qos = "interactive"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class CaptionRecord(BaseModel):
+    """One caption: per keyframe of a video, or per image (the ``caption`` command's JSONL line)."""
+
+    source: str
+    kind: Literal["video", "image"]
+    frame_index: int
+    timestamp_s: float
+    caption: str
+    tokens: list[int]
+    scene_score: float
+    stats: dict[str, Any]
+
+
+class ErrorInfo(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorRecord(BaseModel):
+    source: str
+    error: ErrorInfo
+
+
+class PipelineResult(BaseModel):
+    """A result on ``specstream.results`` (keyed by request id). ``seq`` numbers the results of one request;
+    ``final`` marks its last. Results are idempotent by (``id``, ``seq``)."""
+
+    schema_version: int = SCHEMA_VERSION
+    id: str
+    status: Literal["ok", "error"]
+    output: dict[str, Any] | None = None
+    error: ErrorInfo | None = None
+    seq: int
+    final: bool
