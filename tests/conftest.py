@@ -7,6 +7,8 @@ gaps exceed 1e-5, so exactness tests test the engine and not rounding.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -92,3 +94,7 @@ def assert_clear_greedy_path(model, prompt: list[int], tokens: list[int]) -> Non
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP spin-waits make
 # them up to 20x slower. Benchmarks set their own thread count.
 torch.set_num_threads(1)
+
+# Tests never touch the user's cache: built-in models are created in a per-session directory.
+if "SPECSTREAM_CACHE" not in os.environ:
+    os.environ["SPECSTREAM_CACHE"] = tempfile.mkdtemp(prefix="specstream-test-cache-")

@@ -1,0 +1,228 @@
+"""The main job end to end: keyframes -> vision encoding -> speculative decoding with a visual verifier.
+
+The oracle is the target VLM's own greedy ``generate`` (Hugging Face) on the same frame and prompt; the serving
+path never calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import media
+from specstream.pipeline.caption_job import run_caption_job
+from specstream.pipeline.defaults import default_caption_models
+
+PROMPT = "Describe this image."
+N = 12
+
+
+@pytest.fixture(scope="module")
+def models():
+    return default_caption_models(quiet=True)
+
+
+@pytest.fixture(scope="module")
+def oracle(models):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from PIL import Image
+
+    target, _ = models
+    hf = LlavaForConditionalGeneration.from_pretrained(target, dtype=torch.float32).eval()
+    proc = AutoProcessor.from_pretrained(target)
+    conv = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    text = proc.apply_chat_template(conv, add_generation_prompt=True)
+
+    def generate(image: np.ndarray, n: int = N) -> list[int]:
+        inputs = proc(images=[Image.fromarray(image)], text=[text], return_tensors="pt")
+        with torch.no_grad():
+            out = hf.generate(**inputs, max_new_tokens=n, do_sample=False)
+        toks = out[0, inputs["input_ids"].shape[1]:].tolist()
+        eos = hf.config.text_config.eos_token_id
+        return toks[: toks.index(eos) + 1] if eos in toks else toks
+
+    generate.hf = hf
+    generate.proc = proc
+    generate.text = text
+    return generate
+
+
+@pytest.fixture(scope="module")
+def src():
+    return media.sources()
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    return media.clips(tmp_path_factory)
+
+
+def test_main_job_on_registry_media(tmp_path, src, oracle):
+    from specstream.modalities.image import load_image
+    from specstream.modalities.video import decode_frames, probe_video
+    from specstream.stages.keyframes import select_keyframes
+
+    inputs = [src["bigbuckbunny"], src["bikes"], src["astronaut"], src["rocket"]]
+    out = tmp_path / "captions.jsonl"
+    summary = run_caption_job(inputs, str(out), max_new_tokens=N, show_progress=False)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert summary.failed_inputs == 0 and summary.captions == len(records)
+    for path in inputs[:2]:
+        recs = [r for r in records if r["source"] == path]
+        expected = [(k.frame_index, round(float(k.timestamp_s), 6))
+                    for k in select_keyframes(path, decode_images=False)]
+        assert [(r["frame_index"], r["timestamp_s"]) for r in recs] == expected  # one record per keyframe
+        duration = probe_video(path).duration_s
+        times = [r["timestamp_s"] for r in recs]
+        assert times == sorted(times) and len(set(times)) == len(times)
+        assert all(0 <= t <= duration for t in times)
+        frames = decode_frames(path, times)
+        for rec, frame in zip(recs, frames):
+            assert rec["kind"] == "video"
+            assert rec["tokens"] == oracle(frame), (path, rec["frame_index"])
+    assert len([r for r in records if r["source"] == src["bikes"]]) >= 4  # bikes has several shots
+    for path in inputs[2:]:
+        (rec,) = [r for r in records if r["source"] == path]
+        assert rec["kind"] == "image" and rec["frame_index"] == 0 and rec["timestamp_s"] == 0.0
+        assert rec["tokens"] == oracle(load_image(path))
+        assert rec["stats"]["target_steps"] >= 1 and isinstance(rec["caption"], str)
+    assert list(records[0]) == ["source", "kind", "frame_index", "timestamp_s", "caption", "tokens", "scene_score",
+                                "stats"]
+
+
+@pytest.mark.timeout(300)
+def test_bad_files_fail_alone(tmp_path, clips, src):
+    bad = {"truncated.mp4": "corrupt_media", "corrupt.mp4": "corrupt_media", "empty.mp4": "unreadable_source",
+           "audio.m4a": None, "notavideo.mp4": "unsupported_media"}
+    inputs = [str(clips[name]) for name in bad] + [src["astronaut"], str(tmp_path / "missing.png")]
+    out = tmp_path / "out.jsonl"
+    summary = run_caption_job(inputs, str(out), max_new_tokens=4, show_progress=False)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    by_source: dict[str, list] = {}
+    for r in records:
+        by_source.setdefault(r["source"], []).append(r)
+    for name, code in bad.items():
+        recs = by_source[str(clips[name])]
+        assert "error" in recs[-1], name
+        if code is not None:
+            assert recs[-1]["error"]["code"] == code, (name, recs[-1])
+        assert all("caption" in r for r in recs[:-1])  # a partly decodable file: its good part first
+    assert by_source[str(clips["audio.m4a"])][-1]["error"]["code"] in ("no_video_stream", "unsupported_media")
+    assert by_source[str(tmp_path / "missing.png")][0]["error"]["code"] == "unreadable_source"
+    assert by_source[src["astronaut"]][0]["caption"]
+    assert summary.failed_inputs == 6
+
+
+def test_same_frame_twice_second_caption_is_drafted_by_the_first(models, src):
+    from specstream.modalities.image import load_image
+    from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_RESULTS, InProcessBroker
+    from specstream.pipeline.messages import CaptionParams
+    from specstream.stages.caption import Captioner, CaptionStage, FrameTask
+    from specstream.stages.speculative.drafters.model import TreeSpec
+
+    target, _ = models
+    depth = 8
+    captioner = Captioner(target, [], TreeSpec.parse(",".join(["1"] * depth)), visual_aware=False)
+    image = load_image(src["astronaut"])
+    n = 40
+    params = CaptionParams(prompt=PROMPT, max_new_tokens=n)
+
+    async def go():
+        broker = InProcessBroker()
+        stage = CaptionStage(broker, captioner)
+        task = asyncio.create_task(stage.run())
+        for i in range(2):
+            await broker.publish(TOPIC_FRAMES, "r", FrameTask("r", "a.png", "video", params, frame_index=i,
+                                                               timestamp_s=i * 0.04, image=image, last=i == 1))
+        await broker.close_topic(TOPIC_FRAMES)
+        results = []
+        async for msg in broker.subscribe(TOPIC_RESULTS):
+            results.append(msg.value)
+            if msg.value.final:
+                break
+        await task
+        return results
+
+    first, second = asyncio.run(go())
+    assert first.output["tokens"] == second.output["tokens"] and len(first.output["tokens"]) == n
+    assert first.output["stats"]["target_steps"] == n  # no draft for the first: one token per step
+    assert second.output["stats"]["target_steps"] <= math.ceil(n / (depth + 1)) + 1
+    assert [r.seq for r in (first, second)] == [0, 1] and second.final and not first.final
+
+
+def test_attention_export_equals_hf_eager_attention(models, src, oracle):
+    from specstream.modalities.image import load_image
+    from specstream.stages.caption import Captioner
+
+    target, _ = models
+    captioner = Captioner(target, [], temporal=False, visual_aware=False, attention_maps=True)
+    eng = captioner.engine
+    eng.executor.attention_layers = (0, 1)
+    prep = captioner.vlm.prepare(load_image(src["astronaut"]), PROMPT)
+    req = eng.add_request(captioner.make_request(prep, 3))
+    eng.run()
+    vis = np.stack(eng.visual_attention.pop(req.request_id))  # [3, n_visual]
+    assert vis.shape == (3, len(prep.visual_positions))
+    # HF eager attention for the same sequence: row of the token that predicted each committed token
+    hf = oracle.hf
+    ids = torch.tensor([prep.input_ids + req.output_ids[:2]])
+    hf.set_attn_implementation("eager")
+    with torch.no_grad():
+        out = hf(input_ids=ids, pixel_values=prep.pixel_values, output_attentions=True)
+    span = slice(prep.visual_positions[0], prep.visual_positions[-1] + 1)
+    n = len(prep.input_ids)
+    want = torch.stack([out.attentions[layer][0, :, n - 1:n + 2, span].mean(0) for layer in (0, 1)]).mean(0)
+    assert np.allclose(vis, want.numpy(), atol=1e-5)
+
+
+def test_attention_map_maximum_on_planted_patch(tmp_path):
+    from PIL import Image
+
+    from specstream.stages.attention_maps import patch_map, save_attention_map
+
+    grid = (8, 8)
+    attention = np.full((5, 64), 0.001, dtype=np.float32)
+    attention[:, 8 * 3 + 5] = 0.5  # planted: row 3, column 5
+    heat = patch_map(attention, grid)
+    assert np.unravel_index(heat.argmax(), heat.shape) == (3, 5)
+    image = np.full((80, 80, 3), 100, dtype=np.uint8)
+    path = save_attention_map(tmp_path, "/x/clip.mp4", 12, image, attention, grid)
+    assert path.name == "clip_f000012.png"
+    png = np.asarray(Image.open(path))
+    assert png.shape == (80, 80, 3)
+    redness = png[..., 0].astype(int) - png[..., 1].astype(int)
+    y, x = np.unravel_index(redness.argmax(), redness.shape)
+    assert (y // 10, x // 10) == (3, 5)  # the reddest pixel lies on the planted patch
+
+
+def test_cli_caption_writes_jsonl_attention_maps_and_exit_code(tmp_path, src, clips):
+    out = tmp_path / "c.jsonl"
+    maps = tmp_path / "maps"
+    proc = subprocess.run([sys.executable, "-m", "specstream", "caption", src["astronaut"], str(clips["empty.mp4"]),
+                           "--out", str(out), "--max-new-tokens", "5", "--attention-maps", str(maps)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr  # one input failed
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["source"] == src["astronaut"] and len(lines[0]["tokens"]) == 5
+    assert lines[1]["error"]["code"] == "unreadable_source"
+    assert (maps / "astronaut_f000000.png").exists()
+    assert "captions" in proc.stderr and "tau" in proc.stderr
+
+
+def test_vlm_as_draft_runs_its_language_model_only(models, src, oracle):
+    from specstream.modalities.image import load_image
+    from specstream.stages.caption import Captioner
+
+    target, _ = models
+    captioner = Captioner(target, [target], temporal=False)  # the VLM drafts for itself, text only
+    image = load_image(src["rocket"])
+    req = captioner.engine.add_request(captioner.make_request(captioner.vlm.prepare(image, PROMPT), N))
+    captioner.engine.run()
+    assert req.output_ids == oracle(image)
