@@ -165,6 +165,12 @@ PASSTHROUGH = {
                     "specstream.schedulers.simulator:simulate_main"),
     ("bench", "scheduler"): ("QoS scheduler vs FIFO vs a static batcher on the same traces",
                              "specstream.schedulers.simulator:bench_scheduler_main"),
+    ("bench", "keyframes"): ("keyframe selection speed vs bare ffmpeg / decord / PyAV decoding",
+                             "specstream.pipeline.bench_caption:keyframes_main"),
+    ("bench", "caption"): ("captioning end to end: keyframes/s, tokens/s, tau; temporal and visual-aware on/off",
+                           "specstream.pipeline.bench_caption:main"),
+    ("transcribe",): ("transcribe an audio or video file (srt, vtt, jsonl) with Whisper in the engine",
+                      "specstream.stages.speech:transcribe_main"),
 }
 
 

@@ -79,6 +79,8 @@ class SpeculativeExecutor:
             range(n_layers // 2, n_layers))
         #: shrink the tree where the target looks hard at the image (text-only drafts are weakest there)
         self.visual_aware = visual_aware
+        #: measured draft time / verify time of steps with drafts (EMA); adaptivity weighs acceptance against it
+        self.cost_ratio: float | None = None
         self.visual_mass_threshold = visual_mass_threshold
         #: encoder registry: modality -> callable run on each :class:`EncodeWork` of that modality. It encodes
         #: the items (found by ``item_id``) and may store ``prefix_embeds`` for their requests.
@@ -162,6 +164,7 @@ class SpeculativeExecutor:
         if not plan.prefills and not plan.decodes:
             return StepOutput(plan.step, (), 0, 0, time.perf_counter() - t_start, encoded)
         trees, draft_s = self._draft(plan.decodes)
+        drafted = any(len(t) > 1 for t in trees.values())
         rows: list[_Row] = []
         for work in plan.prefills:
             req = work.request
@@ -197,6 +200,9 @@ class SpeculativeExecutor:
         for i, row in enumerate(rows):
             results.append(self._commit(row, logits[i, : len(row.logit_rows)], dists[i], visual[i]))
         verify_s = time.perf_counter() - t_verify
+        if drafted and verify_s > 0:
+            ratio = draft_s / verify_s
+            self.cost_ratio = ratio if self.cost_ratio is None else 0.8 * self.cost_ratio + 0.2 * ratio
         n_dec = max(1, len(plan.decodes))
         results = [
             dataclasses.replace(r, draft_s=0.0 if r.is_prefill else draft_s / n_dec, verify_s=verify_s / len(rows))
@@ -340,7 +346,7 @@ class SpeculativeExecutor:
             budget = self._budget(req.request_id)
             if not is_prefill:
                 budget.observe(num_accepted, len(row.tree))
-            requested = budget.requested_nodes() if self.adaptive else self.full_nodes
+            requested = budget.requested_nodes(self.cost_ratio or 0.0) if self.adaptive else self.full_nodes
             if self.visual_aware and visual is not None and vis:
                 # the node that predicted the last committed token is where the next tree starts: when the
                 # target looks hard at the image there, a text-only draft is weakest, so ask for a smaller tree

@@ -57,11 +57,13 @@ class Drafter(abc.ABC):
 
 @dataclass
 class AdaptiveBudget:
-    """Per-request tree size from recent acceptance (never slower than no drafts).
+    """Per-request tree size from recent acceptance and measured draft cost (never slower than no drafts).
 
-    An exponential moving average of accepted draft tokens per step decides the node budget the request
-    *asks* for; the scheduler grants it or less. Below ``off_below`` speculation stops, except for a small
-    probe tree every ``probe_every`` steps, so a request whose drafts become good again gets them back.
+    An exponential moving average of accepted draft tokens per step (``ema``) decides the node budget the
+    request *asks* for; the scheduler grants it or less. A step with drafts commits about ``1 + ema`` tokens
+    and costs about ``1 + cost_ratio`` plain steps (``cost_ratio`` = measured draft time / verify time), so
+    speculation is switched off when ``(1 + ema) / (1 + cost_ratio) < 1`` or ``ema < off_below``, except for a
+    small probe tree every ``probe_every`` steps, so a request whose drafts become good again gets them back.
     """
 
     full_nodes: int
@@ -73,18 +75,20 @@ class AdaptiveBudget:
     steps_off: int = 0
 
     def observe(self, num_accepted: int, proposed: int) -> None:
+        """Book one verification step: ``num_accepted`` draft tokens accepted out of a ``proposed``-node tree."""
         if proposed <= 1:
-            if self.ema < self.off_below:
-                self.steps_off += 1
+            self.steps_off += 1
             return
         self.ema = self.decay * self.ema + (1 - self.decay) * num_accepted
         self.steps_off = 0
 
-    def requested_nodes(self) -> int:
+    def pays(self, cost_ratio: float = 0.0) -> bool:
+        return self.ema >= self.off_below and (1.0 + self.ema) / (1.0 + max(0.0, cost_ratio)) >= 1.0
+
+    def requested_nodes(self, cost_ratio: float = 0.0) -> int:
+        """Tree size (root included) to ask for next step; 1 = no drafts."""
+        if not self.pays(cost_ratio):
+            return self.min_nodes if self.steps_off + 1 >= self.probe_every else 1
         if self.ema >= 1.0:
             return self.full_nodes
-        if self.ema >= self.off_below:
-            return max(self.min_nodes, min(self.full_nodes, int(round(self.full_nodes * self.ema))))
-        if self.steps_off + 1 >= self.probe_every:
-            return self.min_nodes
-        return 1
+        return max(self.min_nodes, min(self.full_nodes, int(round(self.full_nodes * self.ema))))
