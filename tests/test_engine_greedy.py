@@ -50,7 +50,7 @@ CASES = [
 @pytest.mark.parametrize("name,case", CASES, ids=[c[0] for c in CASES])
 def test_greedy_output_identical_to_hf_generate(tiny, references, name, case):
     drafts, ngram, tree = case
-    eng = engine(tiny, drafts, ngram, tree)
+    eng = engine(tiny, drafts, ngram, tree, adaptive=False)  # always speculate: this tests exactness
     for n in LENGTHS:
         prompts = PROMPTS + REPETITIVE
         reqs = eng.generate(prompts, n)
@@ -189,3 +189,33 @@ def test_stream_yields_tokens_per_step(tiny, references):
     assert chunks[0] == tuple(references[tuple(PROMPTS[4])][:1])
     assert [t for c in chunks for t in c] == references[tuple(PROMPTS[4])][:10]
     assert [len(c) for c in chunks] == [1, 4, 4, 1]
+
+
+def test_adaptive_budget_switches_off_useless_or_costly_drafts_and_probes():
+    from specstream.stages.speculative.drafters.base import AdaptiveBudget
+
+    b = AdaptiveBudget(full_nodes=21)
+    assert b.requested_nodes() == 21
+    for _ in range(10):
+        b.observe(0, 21)  # nothing accepted
+    assert b.requested_nodes() == 1
+    asked = []
+    for _ in range(16):
+        n = b.requested_nodes()
+        asked.append(n)
+        b.observe(0, n)
+    assert asked.count(4) == 2 and asked.count(1) == 14  # a 4-node probe every 8 steps
+    good = AdaptiveBudget(full_nodes=21)
+    for _ in range(5):
+        good.observe(3, 21)
+    assert good.requested_nodes(cost_ratio=0.5) == 21
+    assert good.requested_nodes(cost_ratio=5.0) == 1  # 4 tokens per step do not pay for 6x the step time
+
+
+def test_random_draft_is_switched_off_by_adaptivity(tiny, references):
+    eng = engine(tiny, ["random"], tree="1,1,3,1,1,1,1,1")
+    req = eng.generate([PROMPTS[3]], 24)[0]
+    assert req.output_ids == references[tuple(PROMPTS[3])][:24]
+    drafted_steps = len([a for a in req.stats.accepted_per_step])
+    assert eng.executor.drafters[0].forwards <= 8 * 8  # a few full trees, then probes only
+    assert drafted_steps == req.stats.target_steps - 1
