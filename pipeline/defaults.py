@@ -170,3 +170,46 @@ def default_caption_models(quiet: bool = False) -> tuple[Path, Path]:
     if not quiet:
         print(UNTRAINED_NOTICE, file=sys.stderr)
     return target, draft
+
+
+def build_tiny_onevision(path: Path, seed: int = 3, image_size: int = 28, patch: int = 7) -> Path:
+    """A LLaVA-OneVision-style checkpoint (SigLIP tower, anyres tiling with newline tokens, Qwen2 text model).
+
+    Used by the tests (OneVision's visual-token count depends on the image size) — not a default model.
+    """
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+        Qwen2Config,
+        SiglipVisionConfig,
+    )
+
+    tok = _fast_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
+    s = image_size
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                image_size=s, patch_size=patch)
+    text = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    pinpoints = [[s, s], [s, 2 * s], [2 * s, s], [2 * s, 2 * s]]
+    config = LlavaOnevisionConfig(vision_config=vision, text_config=text,
+                                  image_token_index=tok.convert_tokens_to_ids("<image>"),
+                                  video_token_index=tok.convert_tokens_to_ids("<video>"),
+                                  image_grid_pinpoints=pinpoints, vision_feature_select_strategy="full",
+                                  vision_feature_layer=-1, vision_aspect_ratio="anyres_max_9",
+                                  tie_word_embeddings=False)
+    config.eos_token_id = tok.eos_token_id
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    _fill(model, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    processor = LlavaOnevisionProcessor(
+        image_processor=LlavaOnevisionImageProcessor(size={"height": s, "width": s}, image_grid_pinpoints=pinpoints),
+        tokenizer=tok, video_processor=LlavaOnevisionVideoProcessor(size={"height": s, "width": s}),
+        num_image_tokens=(s // patch) ** 2, vision_feature_select_strategy="full", chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(path)
+    return path

@@ -226,3 +226,31 @@ def test_vlm_as_draft_runs_its_language_model_only(models, src, oracle):
     req = captioner.engine.add_request(captioner.make_request(captioner.vlm.prepare(image, PROMPT), N))
     captioner.engine.run()
     assert req.output_ids == oracle(image)
+
+
+def test_llava_onevision_target_equals_its_own_generate(tmp_path, src):
+    """OneVision: anyres tiles and newline tokens; the visual-token count depends on the image size."""
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaOnevisionForConditionalGeneration
+
+    from specstream.modalities.image import load_image
+    from specstream.pipeline.defaults import build_tiny_onevision
+    from specstream.stages.caption import Captioner
+
+    path = build_tiny_onevision(tmp_path / "ov")
+    hf = LlavaOnevisionForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    proc = AutoProcessor.from_pretrained(path)
+    captioner = Captioner(path, [], temporal=False)
+    counts = set()
+    for image in (load_image(src["astronaut"]), load_image(src["astronaut"])[:300, :180], load_image(src["rocket"])):
+        prep = captioner.vlm.prepare(image, PROMPT)
+        counts.add(len(prep.visual_positions))
+        inputs = proc(images=[Image.fromarray(image)], text=[captioner.vlm.chat_prompt(PROMPT)], return_tensors="pt")
+        assert inputs["input_ids"][0].tolist() == prep.input_ids
+        with torch.no_grad():
+            out = hf.generate(**inputs, max_new_tokens=10, do_sample=False)
+        want = out[0, inputs["input_ids"].shape[1]:].tolist()
+        req = captioner.engine.add_request(captioner.make_request(prep, 10))
+        captioner.engine.run()
+        assert req.output_ids == want
+    assert len(counts) >= 2  # different image sizes, different numbers of visual tokens
