@@ -80,7 +80,9 @@ class SpeculativeExecutor:
         #: shrink the tree where the target looks hard at the image (text-only drafts are weakest there)
         self.visual_aware = visual_aware
         #: measured draft time / verify time of steps with drafts (EMA); adaptivity weighs acceptance against it
+        #: (``cost_aware`` False: acceptance alone decides, deterministic — what the simulator models)
         self.cost_ratio: float | None = None
+        self.cost_aware = True
         self.visual_mass_threshold = visual_mass_threshold
         #: encoder registry: modality -> callable run on each :class:`EncodeWork` of that modality. It encodes
         #: the items (found by ``item_id``) and may store ``prefix_embeds`` for their requests.
@@ -200,7 +202,7 @@ class SpeculativeExecutor:
         for i, row in enumerate(rows):
             results.append(self._commit(row, logits[i, : len(row.logit_rows)], dists[i], visual[i]))
         verify_s = time.perf_counter() - t_verify
-        if drafted and verify_s > 0:
+        if drafted and verify_s > 0 and self.cost_aware:
             ratio = draft_s / verify_s
             self.cost_ratio = ratio if self.cost_ratio is None else 0.8 * self.cost_ratio + 0.2 * ratio
         n_dec = max(1, len(plan.decodes))
