@@ -1,0 +1,88 @@
+"""The ``specstream generate`` contract (used by checks: keep it stable)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import hf_greedy
+
+CMD = [sys.executable, "-m", "specstream"]
+
+
+def run(*args, check_rc=0):
+    proc = subprocess.run([*CMD, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == check_rc, proc.stderr
+    return proc
+
+
+def test_generate_json_contract_and_exactness(tiny, hf_target):
+    out = run("generate", "--target", tiny.target, "--draft", tiny.noisy, "--prompt-ids", "5,6,7,8,5,6",
+              "--max-new-tokens", 12, "--json").stdout.splitlines()
+    assert len(out) == 1
+    rec = json.loads(out[0])
+    assert set(rec) == {"tokens", "finish_reason", "stats"}
+    assert set(rec["stats"]) == {"target_steps", "accepted_per_step", "mean_accepted", "tau"}
+    assert rec["tokens"] == hf_greedy(hf_target, [5, 6, 7, 8, 5, 6], 12)
+    assert rec["finish_reason"] == "length"
+    assert len(rec["stats"]["accepted_per_step"]) == rec["stats"]["target_steps"] - 1
+    assert rec["stats"]["tau"] == round(12 / rec["stats"]["target_steps"], 6)
+
+
+def test_prompt_ids_file_runs_one_batch_in_input_order(tiny, hf_target, tmp_path):
+    prompts = [[1, 2, 3], [9, 9, 9, 9], [200], [7, 8, 7, 8, 7]]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
+    lines = run("generate", "--target", tiny.target, "--prompt-ids-file", f, "--max-new-tokens", 6, "--json",
+                "--tree", "dynamic:8").stdout.splitlines()
+    assert [json.loads(x)["tokens"] for x in lines] == [hf_greedy(hf_target, p, 6) for p in prompts]
+
+
+def test_no_speculation_decodes_one_token_per_step(tiny):
+    rec = json.loads(run("generate", "--target", tiny.target, "--prompt-ids", "1,2,3", "--max-new-tokens", 7,
+                         "--no-speculation", "--json").stdout)
+    assert rec["stats"]["target_steps"] == 7 and rec["stats"]["tau"] == 1.0
+    assert rec["stats"]["accepted_per_step"] == [0] * 6
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny):
+    args = ("generate", "--target", tiny.target, "--draft", tiny.same, "--prompt-ids", "4,5,6",
+            "--max-new-tokens", 10, "--mode", "sample", "--temperature", 1.5, "--top-k", 20, "--top-p", 0.9,
+            "--seed", 7, "--json")
+    a, b = json.loads(run(*args).stdout), json.loads(run(*args).stdout)
+    assert a["tokens"] == b["tokens"] and len(a["tokens"]) == 10
+    c = json.loads(run(*args[:-3], "--seed", 8, "--json").stdout)
+    assert c["tokens"] != a["tokens"]
+
+
+def test_prompt_text_needs_and_uses_a_tokenizer(tiny, tmp_path):
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    ck = tmp_path / "withtok"
+    shutil.copytree(tiny.target, ck)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["speculative decoding verifies a token tree"] * 10,
+                            trainers.BpeTrainer(vocab_size=256, show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(ck / "tokenizer.json"))
+    rec = json.loads(run("generate", "--target", ck, "--prompt", "token tree", "--max-new-tokens", 5,
+                         "--json").stdout)
+    assert isinstance(rec["text"], str) and len(rec["tokens"]) == 5
+    err = run("generate", "--target", tiny.target, "--prompt", "hello", "--max-new-tokens", 5, check_rc=2).stderr
+    assert "tokenizer" in err
+
+
+def test_clear_errors_and_exit_codes(tiny, tmp_path):
+    err = run("generate", "--target", tmp_path / "nope", "--prompt-ids", "1", "--max-new-tokens", 2,
+              check_rc=2).stderr
+    assert "checkpoint_not_found" in err
+    err = run("generate", "--target", tiny.target, "--prompt-ids", "1", "--max-new-tokens", 2, "--tree", "1,0",
+              check_rc=2).stderr
+    assert "bad tree widths" in err
+    err = run("generate", "--target", tiny.target, "--prompt-ids", ",".join(["1"] * 300), "--max-new-tokens", 2,
+              "--max-len", 256, check_rc=2).stderr
+    assert "context_length_exceeded" in err
