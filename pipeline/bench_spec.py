@@ -136,6 +136,15 @@ def run(target: Path, draft: Path, prompts: list[list[int]], max_new_tokens: int
     ours("ours/merged", [draft], True)
     ours("ours/no-spec-batch", [], False, speculate=False, batch=True)
     ours("ours/merged-batch", [draft], True, batch=True)
+    # bfloat16: exact identity is not expected (different rounding); report the greedy agreement rate
+    cfg16 = EngineConfig(num_slots=len(prompts), max_len=1024, tree=TreeSpec.parse("1,1,3,1,1,1,1,1"))
+    eng16 = SpeculativeEngine.from_checkpoints(target, [draft], ngram=True, config=cfg16, dtype="bfloat16")
+    outs16 = [r.output_ids for r in eng16.generate(prompts, max_new_tokens)]
+    agree = [sum(a == b for a, b in zip(x, y)) / len(y) for x, y in zip(outs16, reference)]
+    prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) / len(y)
+              for x, y in zip(outs16, reference)]
+    results["bfloat16"] = {"token_agreement": float(np.mean(agree)), "identical_prefix_fraction": float(np.mean(prefix))}
+    log(f"bfloat16 vs float32 greedy: agreement {np.mean(agree):.3f}, identical prefix {np.mean(prefix):.3f}")
     recordings = {tuple(p): r for p, r in zip(prompts, reference)}
     for corruption in (0.0, 0.2, 0.4):
         for depth in (1, 2, 4, 8, 16):
