@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from specstream.schedulers.plan import (
+    book_step_result,
     DecodeWork,
     PrefillWork,
     Request,
@@ -86,19 +87,10 @@ class FifoScheduler:
         finished = []
         for res in output.results:
             req = self.requests[res.request_id]
-            req.output_ids.extend(res.new_tokens)
-            req.stats.committed += len(res.new_tokens)
-            req.stats.target_steps += 1
-            req.stats.draft_s += res.draft_s
-            req.stats.verify_s += res.verify_s
-            if not res.is_prefill and res.error is None:
-                req.stats.accepted_per_step.append(res.num_accepted)
-            req.requested_nodes = res.requested_nodes
+            done = book_step_result(req, res)
             if res.is_prefill:
                 self.running[req.request_id] = req
-            if res.error is not None or res.finish_reason is not None:
-                req.error = res.error
-                req.finish_reason = res.finish_reason or "error"
+            if done:
                 self._finish(req)
                 finished.append(req)
         return finished

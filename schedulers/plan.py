@@ -257,3 +257,26 @@ class StepOutput:
     nodes_verified: int
     duration_s: float
     encoded: tuple[EncodeResult, ...] = ()
+
+
+def book_step_result(req: Request, res: RequestStepResult, now: float | None = None) -> bool:
+    """Apply one step's result to a request's state and stats (every scheduler's ``update`` does this).
+
+    Returns True when the request finished in this step (EOS, length or error).
+    """
+    req.output_ids.extend(res.new_tokens)
+    req.stats.committed += len(res.new_tokens)
+    req.stats.target_steps += 1
+    req.stats.draft_s += res.draft_s
+    req.stats.verify_s += res.verify_s
+    if now is not None and req.stats.first_token_s is None and res.new_tokens:
+        req.stats.first_token_s = now
+    if not res.is_prefill and res.error is None:
+        req.stats.accepted_per_step.append(res.num_accepted)
+    req.requested_nodes = res.requested_nodes
+    if res.error is not None or res.finish_reason is not None:
+        req.error = res.error
+        req.finish_reason = res.finish_reason or "error"
+        return True
+    return False
+

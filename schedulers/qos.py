@@ -48,6 +48,7 @@ from specstream.schedulers.plan import (
     RequestStatus,
     StepOutput,
     StepPlan,
+    book_step_result,
 )
 
 _RANK = {q: i for i, q in enumerate(QOS_CLASSES)}
@@ -534,21 +535,10 @@ class QosScheduler:
             req = self.requests[res.request_id]
             if req.finished:
                 continue
-            req.output_ids.extend(res.new_tokens)
-            req.stats.committed += len(res.new_tokens)
-            req.stats.target_steps += 1
-            req.stats.draft_s += res.draft_s
-            req.stats.verify_s += res.verify_s
-            if req.stats.first_token_s is None and res.new_tokens:
-                req.stats.first_token_s = now
-            if not res.is_prefill and res.error is None:
-                req.stats.accepted_per_step.append(res.num_accepted)
-            req.requested_nodes = res.requested_nodes
+            done = book_step_result(req, res, now)
             if res.is_prefill:
                 self.running[req.request_id] = req
-            if res.error is not None or res.finish_reason is not None:
-                req.error = res.error
-                req.finish_reason = res.finish_reason or "error"
+            if done:
                 self._finish(req)
                 finished.append(req)
         return finished

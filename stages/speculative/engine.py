@@ -26,7 +26,6 @@ from specstream.stages.speculative.executor import SpeculativeExecutor
 from specstream.stages.speculative.logits import LogitsProcessor
 from specstream.stages.speculative.models.llama import LlamaDecoder
 from specstream.stages.speculative.models.loader import (
-    Checkpoint,
     check_same_tokenizer,
     load_decoder,
     resolve_checkpoint,
@@ -228,5 +227,3 @@ class SpeculativeEngine:
         return self.tokenizer.decode([i for i in ids if i < self.vocab_limit])
 
 
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)

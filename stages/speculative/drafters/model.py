@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from specstream.kernels.sampling import SamplingParams, warp_logits
-from specstream.kernels.tree_attention import build_tree_mask
 from specstream.stages.speculative.drafters.base import DraftInput, Drafter
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
 from specstream.stages.speculative.tree import Proposal, ProposalKind, TokenTree
@@ -209,7 +208,6 @@ class ModelDrafter(Drafter):
         depth_limit = [min(inp.max_depth, spec.depth) for inp in inputs]
         budget = [inp.node_budget if not spec.dynamic_nodes else min(inp.node_budget, spec.dynamic_nodes + 1)
                   for inp in inputs]
-        pool: list[list[tuple[int, int, Proposal, float, int]]] = [[] for _ in inputs]  # dynamic candidates
         depth = 0
         while True:
             depth += 1
