@@ -8,7 +8,6 @@ verification — with the exact distribution.
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
