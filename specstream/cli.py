@@ -165,6 +165,10 @@ PASSTHROUGH = {
                     "specstream.schedulers.simulator:simulate_main"),
     ("bench", "scheduler"): ("QoS scheduler vs FIFO vs a static batcher on the same traces",
                              "specstream.schedulers.simulator:bench_scheduler_main"),
+    ("worker",): ("run pipeline stages as Kafka consumer groups (--broker kafka://HOST:PORT)",
+                  "specstream.pipeline.worker:worker_main"),
+    ("bench", "kafka"): ("requests/s and latency through Kafka vs the embedded path, one run",
+                         "specstream.pipeline.bench_kafka:bench_kafka_main"),
 }
 
 
