@@ -25,7 +25,8 @@ from media import clips
 
 pytest.importorskip("aiokafka")
 
-from specstream.pipeline.kafka import KafkaSettings, OffsetTracker  # noqa: E402
+from specstream.pipeline.kafka import KafkaSettings, OffsetTracker, create_topics  # noqa: E402
+from specstream.pipeline.worker import topic_specs  # noqa: E402
 
 MAX_NEW = 6
 
@@ -114,7 +115,10 @@ class Reader:
 
         self.c = AIOKafkaConsumer(bootstrap_servers=self.s.bootstrap, group_id=None, auto_offset_reset="earliest")
         await self.c.start()
-        tps = [TopicPartition(self.topic, p) for p in range(self.s.partitions)]
+        parts = self.c.partitions_for_topic(self.topic) or (await self.c.topics() and
+                                                            self.c.partitions_for_topic(self.topic))
+        assert parts, f"topic {self.topic} does not exist"
+        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
         self.c.assign(tps)
         await self.c.seek_to_beginning(*tps)
         return self
@@ -366,6 +370,7 @@ def test_sigkill_and_restart_loses_nothing(kafka_bootstrap, tmp_path, tmp_path_f
     cmd = [sys.executable, "-m", "specstream", "worker", "--log-level", "WARNING"]
 
     async def run():
+        await create_topics(s, topic_specs(s))  # the requests go in before any worker ran
         await produce(s, s.topic_requests, [(f"r{i}", request(f"r{i}", p, max_new_tokens=16), {})
                                             for i, p in enumerate(inputs)])
         first = subprocess.Popen(cmd, env=env)
