@@ -20,10 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kafka_fixtures import TansuBroker, external_bootstrap
 from media import clips
 
 pytest.importorskip("aiokafka")
+
+from specstream.pipeline.tansu import TansuBroker, external_bootstrap  # noqa: E402
 
 from specstream.pipeline.kafka import KafkaSettings, OffsetTracker, create_topics  # noqa: E402
 from specstream.pipeline.worker import topic_specs  # noqa: E402

