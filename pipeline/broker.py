@@ -1,30 +1,70 @@
 """The broker interface between stages: every edge of the stage graph is a topic.
 
 :class:`InProcessBroker` (the embedded default) keeps topics as asyncio queues and passes message objects as
-they are; a Kafka implementation carries the same messages serialised. Stage code sees only :class:`Broker`.
+they are; :class:`~specstream.pipeline.kafka.KafkaBroker` carries the same messages serialised. Stage code sees
+only :class:`Broker` and :class:`Message`.
+
+Acknowledgement contract (what at-least-once delivery needs from a stage): a stage calls ``message.done()``
+once every output of the message has been published (``publish`` returned), whatever the outcome, and exactly
+once per message (further calls are ignored). A log-based broker commits a message's offset only after
+``done()``. ``message.hold()`` says "processed, but keep it uncommitted" (a live stage that may still need the
+frame after later ones); ``done()`` later releases it. ``message.revoked`` turns true when the broker has given
+the message's partition to another consumer: the stage may drop the work (still calling ``done()``).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 TOPIC_REQUESTS = "specstream.requests"
 TOPIC_FRAMES = "specstream.frames.tasks"  # keyframe stage -> caption stage
 TOPIC_RESULTS = "specstream.results"
+TOPIC_LIVE_FRAMES = "specstream.frames"  # live frame streams (encoded images, headers stream_id and pts)
+
+
+def _nothing() -> None:
+    return None
 
 
 @dataclass
 class Message:
-    """A message on a topic: ``key`` (e.g. request or stream id), ``value`` (object or bytes), headers."""
+    """A message on a topic: ``key`` (e.g. request or stream id), ``value`` (object or bytes), headers.
+
+    ``partition``/``offset`` are set by a log-based broker (None in process). See the module docstring for
+    ``done()``, ``hold()`` and ``revoked``.
+    """
 
     topic: str
     key: str | None
     value: Any
     headers: dict[str, str] = field(default_factory=dict)
+    partition: int | None = None
+    offset: int | None = None
+    on_done: Callable[[], None] = field(default=_nothing, repr=False, compare=False)
+    on_hold: Callable[[], None] = field(default=_nothing, repr=False, compare=False)
+    is_revoked: Callable[[], bool] = field(default=lambda: False, repr=False, compare=False)
+    _state: str = field(default="new", repr=False, compare=False)  # new -> held -> done
+
+    def done(self) -> None:
+        """Every output of this message is published: the broker may commit it. Idempotent."""
+        if self._state != "done":
+            self._state = "done"
+            self.on_done()
+
+    def hold(self) -> None:
+        """Processed, but keep it uncommitted until ``done()`` (it no longer counts as in flight)."""
+        if self._state == "new":
+            self._state = "held"
+            self.on_hold()
+
+    @property
+    def revoked(self) -> bool:
+        """True once the message's partition was reassigned to another consumer (drop the work)."""
+        return self.is_revoked()
 
 
 class Broker(abc.ABC):

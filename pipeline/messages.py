@@ -1,7 +1,8 @@
 """Versioned message schemas of the stage graph (pydantic). The same models serve every entry point: the
 ``caption`` command (in-process broker), the Kafka worker and the HTTP API.
 
-Wire format of requests and results (JSON, ``schema_version`` 1) is documented in ``docs/messages.md``.
+Wire format of requests and results (JSON, ``schema_version`` 1) is documented in ``docs/kafka.md``; their
+JSON Schemas are ``docs/schemas/*.json`` (``python -m specstream.pipeline.messages docs/schemas`` rewrites them).
 """
 
 from __future__ import annotations
@@ -83,3 +84,20 @@ class PipelineResult(BaseModel):
     error: ErrorInfo | None = None
     seq: int
     final: bool
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """JSON Schema of each wire message: request, its caption params, result, and a caption result's output."""
+    return {"request": PipelineRequest.model_json_schema(), "caption_params": CaptionParams.model_json_schema(),
+            "result": PipelineResult.model_json_schema(), "caption_record": CaptionRecord.model_json_schema()}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    from pathlib import Path
+
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/schemas")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, schema in json_schemas().items():
+        (out / f"{name}.json").write_text(json.dumps(schema, indent=2) + "\n")

@@ -171,6 +171,10 @@ PASSTHROUGH = {
                            "specstream.pipeline.bench_caption:main"),
     ("transcribe",): ("transcribe an audio or video file (srt, vtt, jsonl) with Whisper in the engine",
                       "specstream.stages.speech:transcribe_main"),
+    ("worker",): ("run pipeline stages as Kafka consumer groups (--broker kafka://HOST:PORT)",
+                  "specstream.pipeline.worker:worker_main"),
+    ("bench", "kafka"): ("requests/s and latency through Kafka vs the embedded path, one run",
+                         "specstream.pipeline.bench_kafka:bench_kafka_main"),
 }
 
 

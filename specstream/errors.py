@@ -109,3 +109,18 @@ class MissingDependencyError(SpecstreamError):
     """An optional dependency needed for this input is missing (e.g. PyAV: ``pip install 'specstream[video]'``)."""
 
     code = "missing_dependency"
+
+
+# --- messages (Kafka worker, HTTP API) ---------------------------------------------------------------------------
+
+
+class SchemaViolationError(InvalidRequestError):
+    """A request message is valid JSON with a usable ``id`` but does not match the request schema."""
+
+    code = "schema_violation"
+
+
+class UnsupportedTaskError(InvalidRequestError):
+    """The request's ``task`` is not one this worker serves (so far only ``caption``)."""
+
+    code = "unsupported_task"

@@ -24,20 +24,28 @@ from typing import Any
 
 import numpy as np
 
-from specstream.errors import InvalidRequestError, SpecstreamError, UnreadableSourceError, UnsupportedMediaError
-from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, Broker
+from specstream.errors import (
+    InvalidRequestError,
+    SpecstreamError,
+    UnreadableSourceError,
+    UnsupportedMediaError,
+    UnsupportedTaskError,
+)
+from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, Broker, Message
 from specstream.pipeline.messages import CaptionParams, ErrorInfo, PipelineRequest, PipelineResult
 from specstream.schedulers.plan import EncodeItem, EncodeWork, Request
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 VIDEO_EXTS = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".gif", ".m4v"}
+SERVED_TASKS = ("caption",)  # tasks the caption graph answers; others get an ``unsupported_task`` error result
 
 
 @dataclass
 class FrameTask:
     """A keyframe (or an image) to caption, or an input's error, on the frames topic.
 
-    ``last`` marks the final message of a request; an ``error`` message carries no image.
+    ``seq`` numbers the frame tasks of one request from 0 (it becomes the result's ``seq``); ``last`` marks the
+    final message of a request; an ``error`` message carries no image.
     """
 
     request_id: str
@@ -48,9 +56,10 @@ class FrameTask:
     frame_index: int = 0
     timestamp_s: float = 0.0
     scene_score: float = 1.0
-    image: np.ndarray | None = None
+    image: np.ndarray | None = None  # [H, W, 3] uint8 RGB
     error: ErrorInfo | None = None
     last: bool = False
+    seq: int = 0
 
 
 def media_kind(path: str) -> str:
@@ -118,11 +127,16 @@ class KeyframeStage:
         broker: the stage graph's broker.
         allowed_roots: directories ``file://`` sources must lie under (None: any path; the CLI's own inputs).
         concurrency: inputs decoded at once.
+        max_source_bytes: size limit of a source (file or inline data), bytes.
+
+    Each request message is acknowledged (``Message.done``) once all its frame tasks are published.
     """
 
-    def __init__(self, broker: Broker, allowed_roots: list[Path] | None = None, concurrency: int = 2):
+    def __init__(self, broker: Broker, allowed_roots: list[Path] | None = None, concurrency: int = 2,
+                 max_source_bytes: int = 512 * 1024 * 1024):
         self.broker = broker
         self.allowed_roots = allowed_roots
+        self.max_source_bytes = max_source_bytes
         self.sem = asyncio.Semaphore(concurrency)
         self.frames_decoded = 0
         self.keyframes = 0
@@ -131,18 +145,34 @@ class KeyframeStage:
         tasks = set()
         async for msg in self.broker.subscribe(TOPIC_REQUESTS):
             await self.sem.acquire()
-            task = asyncio.create_task(self._handle(msg.value))
+            task = asyncio.create_task(self._handle_message(msg))
             tasks.add(task)
             task.add_done_callback(lambda t: (tasks.discard(t), self.sem.release()))
         if tasks:
             await asyncio.gather(*tasks)
 
-    async def _emit_error(self, req: PipelineRequest, source: str, params, exc: SpecstreamError) -> None:
+    async def _handle_message(self, msg: Message) -> None:
+        req: PipelineRequest = msg.value
+        try:
+            if not msg.revoked:
+                await self._handle(req)
+        except Exception as exc:  # a bug or an environment failure: the request still gets its final answer
+            await self._emit_error(req, req.source.uri or f"inline:{req.id}", CaptionParams(),
+                                   SpecstreamError(f"{type(exc).__name__}: {exc}"))
+        finally:
+            msg.done()
+
+    async def _emit_error(self, req: PipelineRequest, source: str, params, exc: SpecstreamError,
+                          seq: int = 0) -> None:
         await self.broker.publish(TOPIC_FRAMES, req.id, FrameTask(
-            req.id, source, "unknown", params, req.qos, error=ErrorInfo(**exc.to_dict()), last=True))
+            req.id, source, "unknown", params, req.qos, error=ErrorInfo(**exc.to_dict()), last=True, seq=seq))
 
     async def _handle(self, req: PipelineRequest) -> None:
         source = req.source.uri or req.source.filename or f"inline:{req.id}"
+        if req.task not in SERVED_TASKS:
+            await self._emit_error(req, source, CaptionParams(), UnsupportedTaskError(
+                f"task {req.task!r} is not served by this worker (served: {', '.join(SERVED_TASKS)})"))
+            return
         try:
             params = CaptionParams(**req.params)
         except Exception as exc:
@@ -150,7 +180,7 @@ class KeyframeStage:
             return
         tmp = None
         try:
-            path, source, tmp = resolve_source(req, self.allowed_roots)
+            path, source, tmp = resolve_source(req, self.allowed_roots, self.max_source_bytes)
             kind = media_kind(req.source.filename or path)
             if kind == "image":
                 from specstream.modalities.image import load_image
@@ -169,9 +199,9 @@ class KeyframeStage:
                 last = error is None and i == len(frames) - 1
                 await self.broker.publish(TOPIC_FRAMES, req.id, FrameTask(
                     req.id, source, "video", params, req.qos, kf.frame_index, float(kf.timestamp_s),
-                    float(kf.scene_score), kf.image, last=last))
+                    float(kf.scene_score), kf.image, last=last, seq=i))
             if error is not None:
-                await self._emit_error(req, source, params, error)
+                await self._emit_error(req, source, params, error, seq=len(frames))
             elif not frames:
                 await self._emit_error(req, source, params, UnsupportedMediaError(f"{source}: no frames"))
         except SpecstreamError as exc:
@@ -282,43 +312,69 @@ class CaptionStage:
     """Stage 3-4: frames in, captions out (one :class:`PipelineResult` per frame; ``final`` on the last).
 
     Frames of one request are decoded in order, each drafted from the previous caption (temporal drafter);
-    frames of different requests share the engine's continuous batch.
+    frames of different requests share the engine's continuous batch. A frame task is acknowledged
+    (``Message.done``) once its result is published.
+
+    Args:
+        chain_store: where previous captions outlive the process (``get(request_id, seq)`` -> tokens or None,
+            ``put(request_id, seq, tokens)``, both async), so a frame redelivered without its predecessor in
+            memory drafts from the same hypothesis and repeats an identical result. None: memory only.
     """
 
-    def __init__(self, broker: Broker, captioner: Captioner, attention_maps: Path | None = None):
+    def __init__(self, broker: Broker, captioner: Captioner, attention_maps: Path | None = None,
+                 chain_store=None):
         from specstream.stages.decode import EngineDriver
 
         self.broker = broker
         self.captioner = captioner
         self.driver = EngineDriver(captioner.engine)
         self.attention_maps = attention_maps
+        self.chain_store = chain_store
         self.stats = CaptionStats()
-        self._chains: dict[str, tuple[asyncio.Task | None, int]] = {}
+        self._chains: dict[str, tuple[asyncio.Task, int]] = {}  # request id -> (task of the newest frame, its seq)
 
     async def run(self) -> None:
         self.driver.start()
-        tasks = []
+        tasks = set()
         try:
             async for msg in self.broker.subscribe(TOPIC_FRAMES):
                 frame: FrameTask = msg.value
-                prev, seq = self._chains.get(frame.request_id, (None, 0))
-                task = asyncio.create_task(self._handle(frame, prev, seq))
-                tasks.append(task)
-                self._chains[frame.request_id] = (task, seq + 1)
+                prev = self._chains.get(frame.request_id)
+                prev_task = prev[0] if prev is not None and prev[1] == frame.seq - 1 else None
+                task = asyncio.create_task(self._handle_message(msg, frame, prev_task))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                self._chains[frame.request_id] = (task, frame.seq)
                 if frame.last:
                     self._chains.pop(frame.request_id, None)
             await asyncio.gather(*tasks)
         finally:
             await self.driver.stop()
 
-    async def _handle(self, frame: FrameTask, prev: asyncio.Task | None, seq: int) -> list[int] | None:
+    async def _handle_message(self, msg: Message, frame: FrameTask, prev: asyncio.Task | None) -> list[int] | None:
+        try:
+            if prev is not None:
+                hypothesis = await prev
+            elif frame.seq > 0 and self.chain_store is not None:
+                hypothesis = await self.chain_store.get(frame.request_id, frame.seq - 1)
+            else:
+                hypothesis = None
+            if msg.revoked:
+                return None
+            tokens = await self._handle(frame, hypothesis, frame.seq)
+            if tokens is not None and self.chain_store is not None and not frame.last:
+                await self.chain_store.put(frame.request_id, frame.seq, tokens)
+            return tokens
+        finally:
+            msg.done()
+
+    async def _handle(self, frame: FrameTask, hypothesis: list[int] | None, seq: int) -> list[int] | None:
         prepared = None
         if frame.error is None:
             try:
                 prepared = await asyncio.to_thread(self.captioner.vlm.prepare, frame.image, frame.params.prompt)
             except Exception as exc:
                 frame.error = ErrorInfo(code="corrupt_media", message=f"image preprocessing failed: {exc}")
-        hypothesis = await prev if prev is not None else None
         if frame.error is not None:
             self.stats.errors += 1
             await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
