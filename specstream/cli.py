@@ -165,6 +165,12 @@ PASSTHROUGH = {
                     "specstream.schedulers.simulator:simulate_main"),
     ("bench", "scheduler"): ("QoS scheduler vs FIFO vs a static batcher on the same traces",
                              "specstream.schedulers.simulator:bench_scheduler_main"),
+    ("serve",): ("HTTP + WebSocket API: live subtitles, captions, health, metrics",
+                 "specstream.pipeline.server:serve_main"),
+    ("transcribe",): ("transcribe an audio file or a video's audio track (SRT, WebVTT, JSONL)",
+                      "specstream.stages.speech:transcribe_main"),
+    ("bench", "subtitles"): ("live subtitles: final latency, pass times, RTF, drafted steps, concurrent streams",
+                             "specstream.pipeline.bench_subtitles:bench_subtitles_main"),
 }
 
 
