@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from fastapi import FastAPI, File, Form, HTTPException, Request, UploadFile, WebSocket
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -209,32 +211,40 @@ class SubtitleSession:
         s = self.settings
         t_end = time.monotonic() + s.max_session_s
         first = True
-        while True:
-            left = t_end - time.monotonic()
-            if left <= 0:
-                raise _Closed(CLOSE_POLICY, "session too long")
-            if worker.done():  # the pass loop ended (done sent, or failed)
-                exc = worker.exception()
-                if isinstance(exc, _Closed):
-                    raise exc
-                if exc is not None:
-                    raise _Closed(CLOSE_INTERNAL, f"recognizer failed: {type(exc).__name__}")
-                return
-            try:
-                msg = await asyncio.wait_for(self.ws.receive(), min(s.idle_timeout_s, left))
-            except asyncio.TimeoutError:
+        recv: asyncio.Future | None = None
+        try:
+            while True:
+                left = t_end - time.monotonic()
+                if left <= 0:
+                    raise _Closed(CLOSE_POLICY, "session too long")
+                if recv is None:
+                    recv = asyncio.ensure_future(self.ws.receive())
+                done, _ = await asyncio.wait({recv, worker}, timeout=min(s.idle_timeout_s, left),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if worker in done:  # the pass loop ended: done was queued, or it failed
+                    exc = worker.exception()
+                    if isinstance(exc, _Closed):
+                        raise exc
+                    if exc is not None:
+                        raise _Closed(CLOSE_INTERNAL, f"recognizer failed: {type(exc).__name__}")
+                    return
+                if not done:
+                    if self.stopping:
+                        continue
+                    raise _Closed(CLOSE_POLICY, "idle timeout" if left > s.idle_timeout_s else "session too long")
+                msg, recv = recv.result(), None
+                if msg["type"] == "websocket.disconnect":
+                    raise _Closed(msg.get("code") or 1006, "client went away")
                 if self.stopping:
                     continue
-                raise _Closed(CLOSE_POLICY, "idle timeout" if left > s.idle_timeout_s else "session too long")
-            if msg["type"] == "websocket.disconnect":
-                raise _Closed(msg.get("code", 1006), "client went away")
-            if self.stopping:
-                continue
-            if msg.get("text") is not None:
-                self._on_text(msg["text"], first)
-            elif msg.get("bytes") is not None:
-                self._on_audio(msg["bytes"])
-            first = False
+                if msg.get("text") is not None:
+                    self._on_text(msg["text"], first)
+                elif msg.get("bytes") is not None:
+                    self._on_audio(msg["bytes"])
+                first = False
+        finally:
+            if recv is not None and not recv.done():
+                recv.cancel()
 
     def _on_text(self, text: str, first: bool) -> None:
         try:
@@ -428,9 +438,6 @@ def create_app(settings: ServerSettings | None = None, speech=None):
     one); by default the model loads at startup in a worker thread (``/readyz`` answers 503 until then)."""
     from contextlib import asynccontextmanager
 
-    from fastapi import FastAPI, File, Form, HTTPException, Request, UploadFile, WebSocket
-    from fastapi.responses import HTMLResponse, JSONResponse, Response
-
     settings = settings or ServerSettings()
     state = AppState(settings, speech)
 
@@ -537,8 +544,6 @@ def create_app(settings: ServerSettings | None = None, speech=None):
 
 
 def _check_uri(uri: str, roots: list[Path]) -> str:
-    from fastapi import HTTPException
-
     from specstream.errors import SpecstreamError
     from specstream.pipeline.messages import PipelineRequest, Source
     from specstream.stages.caption import resolve_source
