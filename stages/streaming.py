@@ -173,7 +173,7 @@ class StreamConfig:
     """
 
     min_hop_s: float = 0.5
-    max_buffer_s: float = 25.0
+    max_buffer_s: float = 20.0
     max_new_tokens: int = 160
     no_speech_threshold: float = 0.6
     max_compression_ratio: float = 2.4
@@ -460,6 +460,9 @@ class StreamingRecognizer:
             self._maybe_end_utterance(end_s)
             self._hop_s = cfg.min_hop_s
             return out
+        if end - self.buffer.start > int(cfg.max_buffer_s * SAMPLE_RATE):
+            self._trim_at_last_final()
+            start_s = self.buffer.start / SAMPLE_RATE
         audio = self.buffer.view()
         window, _ = mel_window(log_mel(audio, self.service.model.num_mel_bins), 0)
         dec = await self.service.decode_window(window, self._prev if cfg.speculate else None,
@@ -629,6 +632,20 @@ class StreamingRecognizer:
         rest = self._prev[len(c):] if self._prev and self._prev[:len(c)] == c else None
         rest_seen = self._seen[len(c):] if rest is not None else []
         self.buffer.trim(int(t * SAMPLE_RATE))
+        self._committed = []
+        self._prev, self._seen = (rest, rest_seen) if rest else (None, [])
+        self._drop_old_arrivals()
+
+    def _trim_at_last_final(self) -> None:
+        """The buffer outgrew ``max_buffer_s`` without a sentence-end trim: trim at the last final's end (its
+        committed text leaves the buffer; the uncommitted rest of the hypothesis stays the draft)."""
+        if not self.finals or self.finals[-1].end_s * SAMPLE_RATE <= self.buffer.start:
+            self._force_trim(0)
+            return
+        c = self._committed
+        rest = self._prev[len(c):] if self._prev and self._prev[:len(c)] == c else None
+        rest_seen = self._seen[len(c):] if rest is not None else []
+        self.buffer.trim(int(self.finals[-1].end_s * SAMPLE_RATE))
         self._committed = []
         self._prev, self._seen = (rest, rest_seen) if rest else (None, [])
         self._drop_old_arrivals()
