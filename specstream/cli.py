@@ -175,6 +175,10 @@ PASSTHROUGH = {
                   "specstream.pipeline.worker:worker_main"),
     ("bench", "kafka"): ("requests/s and latency through Kafka vs the embedded path, one run",
                          "specstream.pipeline.bench_kafka:bench_kafka_main"),
+    ("serve",): ("HTTP + WebSocket API: live subtitles, captions, health, metrics",
+                 "specstream.pipeline.server:serve_main"),
+    ("bench", "subtitles"): ("live subtitles: final latency, pass times, RTF, drafted steps, concurrent streams",
+                             "specstream.pipeline.bench_subtitles:bench_subtitles_main"),
 }
 
 

