@@ -140,7 +140,8 @@ def test_same_frame_twice_second_caption_is_drafted_by_the_first(models, src):
         task = asyncio.create_task(stage.run())
         for i in range(2):
             await broker.publish(TOPIC_FRAMES, "r", FrameTask("r", "a.png", "video", params, frame_index=i,
-                                                               timestamp_s=i * 0.04, image=image, last=i == 1))
+                                                               timestamp_s=i * 0.04, image=image, last=i == 1,
+                                                               seq=i))
         await broker.close_topic(TOPIC_FRAMES)
         results = []
         async for msg in broker.subscribe(TOPIC_RESULTS):
