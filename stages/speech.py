@@ -212,7 +212,8 @@ class SpeechModel:
 
     def decode(self, engine: SpeculativeEngine, encoder_outputs: Sequence[torch.Tensor] | torch.Tensor,
                hypotheses: Sequence[Sequence[int] | None] | None = None, speculate: bool = True,
-               language: str = "en", max_new_tokens: int | None = None) -> list[WindowResult]:
+               language: str = "en", max_new_tokens: int | None = None,
+               previous: Sequence[Sequence[int]] | None = None) -> list[WindowResult]:
         """Greedy-decode one window per encoder output ``[S_enc, d_model]`` as one continuous batch.
 
         Args:
@@ -220,6 +221,7 @@ class SpeechModel:
             hypotheses: per window, previous tokens for the engine's :class:`TemporalDrafter` (None: none).
             speculate: False decodes one token per target step (the baseline).
             max_new_tokens: default ``max_target_positions - len(prompt)`` (faster-whisper's ``max_length``).
+            previous: per window, token ids of earlier text for the prompt (``<|startofprev|> ...``; empty: none).
 
         Raises:
             InvalidRequestError: hypotheses given but the engine has no temporal drafter.
@@ -231,8 +233,11 @@ class SpeechModel:
             raise InvalidRequestError("hypotheses need an engine with a temporal drafter")
         reqs = []
         for i, enc in enumerate(encoder_outputs):
-            req = engine.make_request(prompt, limit, speculate=speculate,
-                                      logits_processors=self.logits_processors(len(prompt)))
+            p = prompt
+            if previous is not None and previous[i] and self.tokens.sot_prev is not None:
+                p = [self.tokens.sot_prev, *previous[i]] + prompt
+            req = engine.make_request(p, min(limit, self.max_target_positions - len(p)), speculate=speculate,
+                                      logits_processors=self.logits_processors(len(p)))
             if temporal is not None and hypotheses is not None and hypotheses[i] is not None:
                 temporal.set_hypothesis(req.request_id, hypotheses[i])
             reqs.append(engine.add_request(req, encoder_output=enc))

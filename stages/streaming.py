@@ -20,8 +20,10 @@ How a pass works:
 4. **LocalAgreement-2** commits the longest common prefix of this hypothesis and the previous one (after the
    text already committed in the buffer), cut back to a word boundary; when two complete hypotheses are
    identical (speech ended), all of it is committed.
-5. The buffer is trimmed at committed sentence ends (at the VAD's end of speech after the sentence), and after
-   an utterance once everything is committed and the speaker paused.
+5. Each window is conditioned on earlier committed text (``<|startofprev|>``). A buffer over ``trim_after_s``
+   is trimmed at a VAD pause: the audio up to the pause is decoded once more to split the hypothesis there
+   (:meth:`StreamingRecognizer._trim_at_pause`), so no uncommitted audio is dropped; after an utterance, once
+   everything is committed and the speaker paused, it is cleared.
 
 Word times: Whisper runs without timestamps here, so a word's end time comes from when it first appeared:
 a token first seen in the pass over audio ``[.., hi]`` (and absent at the pass before, over ``[.., lo]``)
@@ -49,6 +51,8 @@ import numpy as np
 
 from specstream.modalities.audio import SAMPLE_RATE, log_mel, mel_window
 from specstream.stages.vad import FRAME, StreamingVad, VadConfig
+
+WINDOW_S = 30.0  # Whisper's window
 
 
 # -- the audio ring buffer ----------------------------------------------------------------------------------------
@@ -140,6 +144,7 @@ class PassRecord:
         encode_s, decode_s, wall_s: encoder batch time, decode time (submit to done, encode excluded), pass time.
         no_speech_prob: Whisper's no-speech probability of the window.
         window: the log-mel window ``[80, 3000]`` (only with ``StreamConfig.keep_windows``).
+        prompt: the earlier text the window was conditioned on (``<|startofprev|>`` tokens).
     """
 
     audio_start_s: float
@@ -154,6 +159,7 @@ class PassRecord:
     no_speech_prob: float
     finish_reason: str | None
     window: np.ndarray | None = None
+    prompt: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,11 @@ class StreamConfig:
 
     Attributes:
         min_hop_s: least new audio between passes (the hop is ``max(min_hop_s, last pass wall time)``).
-        max_buffer_s: a buffer longer than this is force-trimmed at the last committed word (Whisper sees <= 30 s).
+        trim_after_s: a buffer longer than this is trimmed at a VAD pause (see :meth:`StreamingRecognizer._trim_at_pause`).
+        keep_s: such a trim keeps at least this much audio (the context of the next windows).
+        max_buffer_s: a buffer longer than this is trimmed at any VAD pause, or committed and cleared when it has
+            none (Whisper sees <= 30 s).
+        prompt_chars: about this many characters of earlier committed text condition each window (``<|startofprev|>``).
         max_new_tokens: tokens decoded per window at most.
         no_speech_threshold: above this no-speech probability, the window's hypothesis is dropped.
         max_compression_ratio: gzip ratio of the hypothesis text above which it is treated as a loop.
@@ -173,7 +183,10 @@ class StreamConfig:
     """
 
     min_hop_s: float = 0.5
-    max_buffer_s: float = 20.0
+    trim_after_s: float = 15.0
+    keep_s: float = 6.0
+    max_buffer_s: float = 25.0
+    prompt_chars: int = 200
     max_new_tokens: int = 160
     no_speech_threshold: float = 0.6
     max_compression_ratio: float = 2.4
@@ -269,12 +282,14 @@ class SpeechService:
 
     async def decode_window(self, window: np.ndarray, hypothesis: Sequence[int] | None = None,
                             speculate: bool = True, max_new_tokens: int = 160,
-                            seconds: float = 30.0) -> WindowDecode:
+                            seconds: float = 30.0, previous_text: Sequence[int] = ()) -> WindowDecode:
         """Encode and greedy-decode one log-mel window ``[80, 3000]`` as ``realtime`` work.
 
         Args:
             hypothesis: the previous hypothesis of this stream (drafts; None for none).
             seconds: audio seconds in the window (the cost model's encode units).
+            previous_text: token ids of text said before the window (committed earlier): the prompt becomes
+                ``<|startofprev|> previous_text <|startoftranscript|> ...`` (whisper_streaming's context).
 
         Raises:
             CapacityError: the realtime queue is full; SpecstreamError: decoding failed.
@@ -286,6 +301,8 @@ class SpeechService:
             await self.start()
         sm = self.model
         prompt = sm.prompt()
+        if previous_text and sm.tokens.sot_prev is not None:
+            prompt = [sm.tokens.sot_prev, *previous_text] + prompt
         rid = f"win-{next(self._ids)}"
         item = EncodeItem(f"{rid}/audio", "audio", float(seconds))
         req = self.engine.make_request(prompt, min(max_new_tokens, sm.max_target_positions - len(prompt)),
@@ -381,7 +398,9 @@ class StreamingRecognizer:
         self.config = config or StreamConfig()
         self.clock = clock
         self.vad = StreamingVad(self.config.vad)
-        self.buffer = RingBuffer(int((self.config.max_buffer_s + 10.0) * SAMPLE_RATE))
+        # room for a minute of backlog when passes fall behind: audio is never dropped to make room
+        self.buffer = RingBuffer(int(max(60.0, self.config.max_buffer_s + 30.0) * SAMPLE_RATE))
+        self._history: list[int] = []  # committed tokens already trimmed from the buffer (the prompt)
         self._arrivals: list[tuple[int, float]] = []  # (absolute sample end, clock at arrival)
         self._committed: list[int] = []  # tokens committed since the buffer start
         self._prev: list[int] | None = None  # previous hypothesis of the current buffer
@@ -391,7 +410,6 @@ class StreamingRecognizer:
         self._hop_s = self.config.min_hop_s
         self._last_end_s = 0.0  # end of the last final
         self._partial = ""
-        self._end_unambiguous = False
         self.passes: list[PassRecord] = []
         self.finals: list[Subtitle] = []
         self.finished = False
@@ -432,7 +450,13 @@ class StreamingRecognizer:
         """End of stream: decode what is left and commit all of it. Returns the last subtitles."""
         if self.finished:
             return []
-        out = await self._pass(final=True)
+        out: list[Subtitle] = []
+        while len(self.buffer) > int(WINDOW_S * SAMPLE_RATE):  # a backlog longer than one window
+            before = self.buffer.start
+            out.extend(await self._trim_at_pause(self.buffer.start / SAMPLE_RATE + WINDOW_S, force=True))
+            if self.buffer.start == before:
+                break
+        out.extend(await self._pass(final=True))
         self.finished = True
         return out
 
@@ -440,12 +464,17 @@ class StreamingRecognizer:
     async def _pass(self, final: bool) -> list[Subtitle]:
         t0 = time.perf_counter()
         cfg = self.config
-        end = self.buffer.end
+        out: list[Subtitle] = []
+        lo_s = self._last_pass_end_s
+        if len(self.buffer) > int(cfg.trim_after_s * SAMPLE_RATE) and self._prev is not None:
+            out.extend(await self._trim_at_pause(min(lo_s, self.audio_end_s - cfg.keep_s)))
+        if len(self.buffer) > int(cfg.max_buffer_s * SAMPLE_RATE):
+            out.extend(await self._trim_at_pause(self.audio_end_s - 1.0, force=True))
+        # a pass sees at most one 30-s window; when passes fell behind, the rest waits for the next pass
+        end = min(self.buffer.end, self.buffer.start + int(WINDOW_S * SAMPLE_RATE))
         end_s = end / SAMPLE_RATE
         start_s = self.buffer.start / SAMPLE_RATE
-        lo_s = self._last_pass_end_s
         self._last_pass_end_s = end_s
-        out: list[Subtitle] = []
         # the VAD gate: no speech in the buffer -> no encoder, nothing to say
         if not self.vad.has_speech(start_s, end_s):
             if self._partial:
@@ -460,19 +489,7 @@ class StreamingRecognizer:
             self._maybe_end_utterance(end_s)
             self._hop_s = cfg.min_hop_s
             return out
-        if end - self.buffer.start > int(cfg.max_buffer_s * SAMPLE_RATE):
-            self._trim_at_last_final()
-            start_s = self.buffer.start / SAMPLE_RATE
-        audio = self.buffer.view()
-        window, _ = mel_window(log_mel(audio, self.service.model.num_mel_bins), 0)
-        dec = await self.service.decode_window(window, self._prev if cfg.speculate else None,
-                                               speculate=cfg.speculate, max_new_tokens=cfg.max_new_tokens,
-                                               seconds=len(audio) / SAMPLE_RATE)
-        hyp, complete = self._guard(dec)
-        self.passes.append(PassRecord(start_s, end_s, tuple(hyp), dec.tokens, dec.target_steps,
-                                      bool(self._prev) and cfg.speculate, dec.encode_s, dec.decode_s,
-                                      0.0, dec.no_speech_prob, dec.finish_reason,
-                                      window if cfg.keep_windows else None))
+        hyp, complete = await self._decode(self.buffer.start, end)
         out.extend(self._agree(hyp, complete, lo_s, end_s, final))
         wall = time.perf_counter() - t0
         last = self.passes[-1]
@@ -481,6 +498,32 @@ class StreamingRecognizer:
         if not final:
             self._maybe_end_utterance(end_s)
         return out
+
+    async def _decode(self, a: int, b: int) -> tuple[list[int], bool]:
+        """Decode the buffer's samples ``[a, b)`` (conditioned on the earlier committed text, drafted by the
+        previous hypothesis); records a :class:`PassRecord`. Returns the guarded hypothesis, complete."""
+        cfg = self.config
+        audio = self.buffer.view(a, b)
+        window, _ = mel_window(log_mel(audio, self.service.model.num_mel_bins), 0)
+        prompt = self._prompt_tokens()
+        dec = await self.service.decode_window(window, self._prev if cfg.speculate else None,
+                                               speculate=cfg.speculate, max_new_tokens=cfg.max_new_tokens,
+                                               seconds=len(audio) / SAMPLE_RATE, previous_text=prompt)
+        hyp, complete = self._guard(dec)
+        self.passes.append(PassRecord(a / SAMPLE_RATE, b / SAMPLE_RATE, tuple(hyp), dec.tokens, dec.target_steps,
+                                      bool(self._prev) and cfg.speculate, dec.encode_s, dec.decode_s,
+                                      0.0, dec.no_speech_prob, dec.finish_reason,
+                                      window if cfg.keep_windows else None, tuple(prompt)))
+        return hyp, complete
+
+    def _prompt_tokens(self) -> list[int]:
+        """The last ~``prompt_chars`` characters of committed text that left the buffer, whole words."""
+        h = self._history[-max(8, self.config.prompt_chars // 2):]
+        i = 0
+        while i < len(h) and (not self.service.starts_word(h[i])
+                              or len(self.service.text(h[i:])) > self.config.prompt_chars):
+            i += 1
+        return h[i:]
 
     def _guard(self, dec: WindowDecode) -> tuple[list[int], bool]:
         """(hypothesis after the hallucination guards, whether it is complete and trustworthy)."""
@@ -552,8 +595,6 @@ class StreamingRecognizer:
         text = self.service.text(rest) if rest else ""
         if text != self._partial:
             out.append(self._emit_partial(text))
-        if not final:
-            self._trim_at_sentence_end()
         return out
 
     # -- emitting ------------------------------------------------------------------------------------------------
@@ -561,11 +602,9 @@ class StreamingRecognizer:
         lo, hi = seen[-1]
         offsets = self.vad.speech_offsets(lo, hi)
         t_end = offsets[0] if offsets else hi
-        # trim the buffer here later only when the VAD offset is unambiguous
-        self._end_unambiguous = len(offsets) == 1
         onset = self._speech_onset(self._last_end_s, end_s)
         start = max(self._last_end_s, onset if onset is not None else self._last_end_s)
-        t_end = min(end_s, max(start, t_end))
+        t_end = max(start, min(end_s, t_end))  # monotonic first (ends are coarse upper bounds)
         now = self.clock()
         sub = Subtitle("final", self.service.text(tokens), round(start, 3), round(t_end, 3), now,
                        (now - self._arrival_clock(t_end)) * 1000.0, tuple(tokens))
@@ -598,6 +637,7 @@ class StreamingRecognizer:
 
     # -- trimming ------------------------------------------------------------------------------------------------
     def _reset_buffer(self, new_start: int) -> None:
+        self._history += self._committed
         self.buffer.trim(new_start)
         self._committed, self._prev, self._seen, self._prev_complete = [], None, [], False
         self._drop_old_arrivals()
@@ -615,40 +655,62 @@ class StreamingRecognizer:
         if last is not None and end_s - last >= self.config.utterance_pause_s and last > self.buffer.start / SAMPLE_RATE:
             self._reset_buffer(int(last * SAMPLE_RATE))
 
-    def _trim_at_sentence_end(self) -> None:
-        """Trim at the end of the last committed sentence, when the VAD saw speech stop there."""
-        c = self._committed
-        if not c or not self.finals:
-            return
-        text = self.service.text(c)
-        if not text.endswith((".", "?", "!")):
-            return
-        t = self.finals[-1].end_s
-        if not self._end_unambiguous:
-            return
-        offsets = self.vad.speech_offsets(self.buffer.start / SAMPLE_RATE, t + 1e-6)
-        if not offsets or abs(offsets[-1] - t) > 1e-3:
-            return
-        rest = self._prev[len(c):] if self._prev and self._prev[:len(c)] == c else None
-        rest_seen = self._seen[len(c):] if rest is not None else []
-        self.buffer.trim(int(t * SAMPLE_RATE))
-        self._committed = []
-        self._prev, self._seen = (rest, rest_seen) if rest else (None, [])
-        self._drop_old_arrivals()
+    async def _trim_at_pause(self, limit_s: float, force: bool = False) -> list[Subtitle]:
+        """Trim the buffer at the latest VAD pause before ``limit_s`` (whisper_streaming trims at committed
+        segment ends; without timestamps, a pause is where the text can be split safely).
 
-    def _trim_at_last_final(self) -> None:
-        """The buffer outgrew ``max_buffer_s`` without a sentence-end trim: trim at the last final's end (its
-        committed text leaves the buffer; the uncommitted rest of the hypothesis stays the draft)."""
-        if not self.finals or self.finals[-1].end_s * SAMPLE_RATE <= self.buffer.start:
-            self._force_trim(0)
-            return
-        c = self._committed
-        rest = self._prev[len(c):] if self._prev and self._prev[:len(c)] == c else None
-        rest_seen = self._seen[len(c):] if rest is not None else []
-        self.buffer.trim(int(self.finals[-1].end_s * SAMPLE_RATE))
-        self._committed = []
-        self._prev, self._seen = (rest, rest_seen) if rest else (None, [])
+        The audio up to the pause ``p`` is decoded once more on its own: that hypothesis (drafted by the
+        previous one, so mostly verified) is located in the previous hypothesis of the whole buffer, which
+        splits it into the text before ``p`` and after. Text before ``p`` not committed yet is committed now
+        (a final) - it was decoded with the most context this buffer had. The text before ``p`` moves to the
+        prompt history, the rest stays committed / pending in the new buffer ``[p, ..)``: no audio is dropped
+        and nothing is committed twice. Without a pause (``force``): everything is committed and the buffer
+        restarts at its end."""
+        cfg = self.config
+        out: list[Subtitle] = []
+        if self._prev is None:
+            return out
+        start_s = self.buffer.start / SAMPLE_RATE
+        limit_s = min(limit_s, self._last_pass_end_s)  # the previous hypothesis covers the audio up to here
+        half = cfg.vad.min_silence_s / 2
+        cuts = [t + half for t in self.vad.speech_offsets(start_s + 0.5, limit_s) if t + half <= limit_s]
+        k = None
+        if cuts:
+            p = cuts[-1]
+            hyp, _ = await self._decode(self.buffer.start, int(round(p * SAMPLE_RATE)))
+            k = self._locate(self._prev, hyp)
+        if k is None:
+            if not force:
+                return out
+            p, k = self._last_pass_end_s, len(self._prev)  # the previous pass covered the buffer to here
+        c = len(self._committed)
+        if k > c:
+            out.append(self._emit_final(self._prev[c:k], self._seen[c:k], p))
+        self._history += self._prev[:k]
+        self._committed = self._committed[k:]
+        self._prev, self._seen = (self._prev[k:], self._seen[k:]) if len(self._prev) > k else (None, [])
+        self.buffer.trim(int(round(p * SAMPLE_RATE)))
         self._drop_old_arrivals()
+        return out
+
+    def _locate(self, seq: list[int], part: list[int]) -> int | None:
+        """Index in ``seq`` where ``part`` (a reading of the start of the same audio) ends, at a word start of
+        ``seq``; None when ``part``'s end is nowhere in ``seq``."""
+        import difflib
+
+        if not part:
+            return 0
+        if seq[:len(part)] == part:
+            j = len(part)
+        else:
+            blocks = [b for b in difflib.SequenceMatcher(None, part, seq, autojunk=False).get_matching_blocks()
+                      if b.size]
+            if not blocks or len(part) - (blocks[-1].a + blocks[-1].size) > 3:
+                return None
+            j = blocks[-1].b + blocks[-1].size
+        while j < len(seq) and not self.service.starts_word(seq[j]):
+            j += 1
+        return j
 
     def _force_trim(self, need: int) -> None:
         """The buffer is full: drop the oldest audio, committed first (the hypothesis restarts)."""

@@ -73,7 +73,8 @@ def test_replay_lossless_per_window_and_drafts(sm, rec3):
     windows = [p for p in res.passes]
     assert len(windows) >= 4
     enc = sm.encode(np.stack([p.window for p in windows]))
-    plain = sm.decode(plain_engine, list(enc), speculate=False, max_new_tokens=160)
+    plain = sm.decode(plain_engine, list(enc), speculate=False, max_new_tokens=160,
+                      previous=[p.prompt for p in windows])
     drafted_steps = plain_steps = 0
     for p, ref in zip(windows, plain):
         assert p.raw_tokens == ref.tokens, (svc.text(p.raw_tokens), ref.text)
@@ -261,10 +262,10 @@ def test_websocket_realtime_with_bad_clients(server, rec10, sm):
     fw_wer = wer(" ".join(SCRIPT), " ".join(s.text for s in segs))
     ours = wer(" ".join(SCRIPT), text)
     print(f"WER streaming {ours:.3f} vs faster-whisper whole file {fw_wer:.3f}: {text}")
-    # The goal is ours <= fw_wer + 0.10; NOT MET yet (measured 0.20-0.27 vs 0.05: faster-whisper decodes
-    # each sentence inside a 30-s window of the whole file, the stream commits words from short windows; see
-    # docs/streaming.md). This bound guards against regressions until the gap is closed.
-    assert ours <= fw_wer + 0.30, (ours, fw_wer, text)
+    # The goal is ours <= fw_wer + 0.10: met in replay at this machine's pass times (0.131 vs 0.048),
+    # NOT MET yet here (0.167-0.190 on 2026-11-30: with 0.5-s hops LocalAgreement-2 commits tiny.en's early readings of
+    # the first sentences, which the whole file's 30-s window corrects; see docs/streaming.md). Regression guard:
+    assert ours <= fw_wer + 0.20, (ours, fw_wer, text)
     # every session was cleaned up; the vanished ones within seconds
     deadline = time.time() + 10
     while time.time() < deadline:
