@@ -127,7 +127,13 @@ def _add_caption(sub) -> None:
 
 def cmd_caption(args) -> int:
     from specstream.pipeline.caption_job import run_caption_job
+    from specstream.stages.speculative.drafters.model import TreeSpec
 
+    try:
+        TreeSpec.parse(args.tree)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
     summary = run_caption_job(args.inputs, args.out, args.target, args.draft, args.prompt, args.max_new_tokens,
                               args.max_keyframes_per_minute, args.attention_maps, args.tree,
                               temporal=not args.no_temporal, visual_aware=not args.no_visual_aware,

@@ -254,3 +254,20 @@ def test_llava_onevision_target_equals_its_own_generate(tmp_path, src):
         captioner.engine.run()
         assert req.output_ids == want
     assert len(counts) >= 2  # different image sizes, different numbers of visual tokens
+
+
+def test_out_into_a_missing_directory_is_created(tmp_path, clips):
+    out = tmp_path / "not" / "yet" / "there.jsonl"
+    summary = run_caption_job([str(clips["empty.mp4"])], str(out), max_new_tokens=2, show_progress=False)
+    assert summary.failed_inputs == 1
+    assert json.loads(out.read_text())["error"]["code"] == "unreadable_source"
+
+
+def test_cli_caption_bad_tree_is_a_clear_error_before_models_load(tmp_path, capsys):
+    from specstream.cli import main
+
+    image = tmp_path / "x.png"
+    image.write_bytes(b"\x89PNG")
+    assert main(["caption", str(image), "--out", str(tmp_path / "o.jsonl"), "--tree", "foo"]) == 2
+    assert "bad tree 'foo'" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
