@@ -294,6 +294,7 @@ class CaptionStage:
         self.attention_maps = attention_maps
         self.stats = CaptionStats()
         self._chains: dict[str, tuple[asyncio.Task | None, int]] = {}
+        self._map_stems: dict[str, str] = {}  # source -> its attention maps' file-name stem (unique per source)
 
     async def run(self) -> None:
         self.driver.start()
@@ -310,6 +311,21 @@ class CaptionStage:
             await asyncio.gather(*tasks)
         finally:
             await self.driver.stop()
+
+    def _map_stem(self, source: str) -> str:
+        """A file-name stem for ``source``'s attention maps that no other source of this stage uses:
+        ``clip`` for the first ``.../clip.*``, then ``clip-2``, ``clip-3``, ..."""
+        from specstream.stages.attention_maps import map_stem
+
+        if source not in self._map_stems:
+            base = map_stem(source)
+            taken = set(self._map_stems.values())
+            stem, n = base, 1
+            while stem in taken:
+                n += 1
+                stem = f"{base}-{n}"
+            self._map_stems[source] = stem
+        return self._map_stems[source]
 
     async def _handle(self, frame: FrameTask, prev: asyncio.Task | None, seq: int) -> list[int] | None:
         prepared = None
@@ -351,7 +367,7 @@ class CaptionStage:
             from specstream.stages.attention_maps import save_attention_map
 
             path = save_attention_map(self.attention_maps, frame.source, frame.frame_index, frame.image,
-                                      np.stack(vis), prepared.grid)
+                                      np.stack(vis), prepared.grid, stem=self._map_stem(frame.source))
             record["attention_map"] = str(path)
         self.stats.captions += 1
         self.stats.tokens += len(tokens)

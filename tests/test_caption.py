@@ -271,3 +271,39 @@ def test_cli_caption_bad_tree_is_a_clear_error_before_models_load(tmp_path, caps
     assert main(["caption", str(image), "--out", str(tmp_path / "o.jsonl"), "--tree", "foo"]) == 2
     assert "bad tree 'foo'" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_attention_maps_of_sources_with_the_same_stem_do_not_overwrite(tmp_path, src):
+    import shutil
+
+    inputs = []
+    for sub, name in (("a", "astronaut.png"), ("b", "astronaut.png"), ("b", "astronaut.webp")):
+        (tmp_path / sub).mkdir(exist_ok=True)
+        dst = tmp_path / sub / name
+        if name.endswith(".webp"):
+            from PIL import Image
+
+            Image.open(src["astronaut"]).save(dst)
+        else:
+            shutil.copy(src["astronaut"], dst)
+        inputs.append(str(dst))
+    out, maps = tmp_path / "c.jsonl", tmp_path / "maps"
+    run_caption_job(inputs, str(out), max_new_tokens=2, attention_maps=str(maps), show_progress=False)
+    paths = [json.loads(line)["attention_map"] for line in out.read_text().splitlines()]
+    assert len(set(paths)) == 3 and all((maps / p.split("/")[-1]).exists() for p in paths)
+    assert len(list(maps.iterdir())) == 3
+
+
+def test_attention_map_of_a_huge_image_is_drawn_downscaled(tmp_path):
+    from PIL import Image
+
+    from specstream.stages.attention_maps import save_attention_map
+
+    attention = np.full((2, 64), 0.001, dtype=np.float32)
+    attention[:, 8 * 3 + 5] = 0.5
+    image = np.full((1600, 4000, 3), 100, dtype=np.uint8)
+    png = np.asarray(Image.open(save_attention_map(tmp_path, "big.png", 0, image, attention, (8, 8))))
+    assert png.shape == (410, 1024, 3)
+    redness = png[..., 0].astype(int) - png[..., 1].astype(int)
+    y, x = np.unravel_index(redness.argmax(), redness.shape)
+    assert (y * 8 // 410, x * 8 // 1024) == (3, 5)
