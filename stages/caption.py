@@ -338,7 +338,7 @@ class CaptionStage:
         if frame.error is not None:
             self.stats.errors += 1
             await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
-                id=frame.request_id, status="error", error=frame.error, seq=seq, final=True))
+                id=frame.request_id, status="error", error=frame.error, seq=seq, final=frame.last))
             return hypothesis
         req = self.captioner.make_request(prepared, frame.params.max_new_tokens, frame.qos, hypothesis)
         t0 = time.perf_counter()
@@ -347,14 +347,14 @@ class CaptionStage:
         except SpecstreamError as exc:
             self.stats.errors += 1
             await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
-                id=frame.request_id, status="error", error=ErrorInfo(**exc.to_dict()), seq=seq, final=True))
+                id=frame.request_id, status="error", error=ErrorInfo(**exc.to_dict()), seq=seq, final=frame.last))
             return hypothesis
         self.stats.decode_s += time.perf_counter() - t0
         vis = self.captioner.engine.visual_attention.pop(done.request_id, None)
         if done.error:
             self.stats.errors += 1
             await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
-                id=frame.request_id, status="error", error=ErrorInfo(**done.error), seq=seq, final=True))
+                id=frame.request_id, status="error", error=ErrorInfo(**done.error), seq=seq, final=frame.last))
             return hypothesis
         tokens = list(done.output_ids)
         caption = self.captioner.text(tokens)

@@ -307,3 +307,38 @@ def test_attention_map_of_a_huge_image_is_drawn_downscaled(tmp_path):
     redness = png[..., 0].astype(int) - png[..., 1].astype(int)
     y, x = np.unravel_index(redness.argmax(), redness.shape)
     assert (y * 8 // 410, x * 8 // 1024) == (3, 5)
+
+
+def test_a_frame_failing_mid_video_does_not_end_the_input(models, src):
+    """An error on a video's non-last frame is that frame's record: the later frames are still captioned and
+    the input ends (``final``) only with its last frame."""
+    from specstream.modalities.image import load_image
+    from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_RESULTS, InProcessBroker
+    from specstream.pipeline.messages import CaptionParams
+    from specstream.stages.caption import Captioner, CaptionStage, FrameTask
+
+    target, _ = models
+    captioner = Captioner(target, [], temporal=False, visual_aware=False)
+    good = load_image(src["astronaut"])
+    params = CaptionParams(max_new_tokens=2)
+
+    async def scenario():
+        broker = InProcessBroker()
+        stage = CaptionStage(broker, captioner)
+        run = asyncio.create_task(stage.run())
+        frames = [good, np.zeros((0, 0, 3), dtype=np.uint8), good]  # the middle frame cannot be preprocessed
+        for i, image in enumerate(frames):
+            await broker.publish(TOPIC_FRAMES, "r", FrameTask("r", "v.mp4", "video", params, "batch", i, i * 1.0,
+                                                              1.0, image, last=i == len(frames) - 1))
+        results = []
+        async for msg in broker.subscribe(TOPIC_RESULTS):
+            results.append(msg.value)
+            if msg.value.final:
+                break
+        await broker.close_topic(TOPIC_FRAMES)
+        await run
+        return results
+
+    results = asyncio.run(asyncio.wait_for(scenario(), 300))
+    assert [(r.seq, r.status, r.final) for r in sorted(results, key=lambda r: r.seq)] == [
+        (0, "ok", False), (1, "error", False), (2, "ok", True)]
