@@ -17,6 +17,7 @@ import base64
 import itertools
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,11 +98,16 @@ def resolve_source(req: PipelineRequest, allowed_roots: list[Path] | None = None
     return str(real), uri if src.uri.startswith("file://") else path, None
 
 
-def _keyframes_blocking(path: str, max_per_minute: float | None) -> tuple[list, Exception | None, Any]:
-    """Run keyframe selection to the end (or an error): (keyframes, error or None, stats)."""
+def _keyframes_blocking(path: str, max_per_minute: float | None, cancel: threading.Event | None = None
+                        ) -> tuple[list, Exception | None, Any]:
+    """Run keyframe selection to the end (or an error): (keyframes, error or None, stats).
+
+    Raises:
+        KeyframeSelectionCancelled: ``cancel`` was set (the awaiting task was cancelled, e.g. on Ctrl-C).
+    """
     from specstream.stages.keyframes import select_keyframes
 
-    run = select_keyframes(path, max_keyframes_per_minute=max_per_minute)
+    run = select_keyframes(path, max_keyframes_per_minute=max_per_minute, cancel=cancel)
     frames, error = [], None
     try:
         for kf in run:
@@ -161,8 +167,13 @@ class KeyframeStage:
                 await self.broker.publish(TOPIC_FRAMES, req.id, FrameTask(
                     req.id, source, "image", params, req.qos, 0, 0.0, 1.0, image, last=True))
                 return
-            frames, error, stats = await asyncio.to_thread(_keyframes_blocking, path,
-                                                           params.max_keyframes_per_minute)
+            cancel = threading.Event()
+            try:
+                frames, error, stats = await asyncio.to_thread(_keyframes_blocking, path,
+                                                               params.max_keyframes_per_minute, cancel)
+            except asyncio.CancelledError:
+                cancel.set()  # a thread cannot be cancelled: stop its decode loop, or Ctrl-C waits for the video
+                raise
             self.frames_decoded += stats.frames_decoded
             self.keyframes += len(frames)
             for i, kf in enumerate(frames):
