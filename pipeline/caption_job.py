@@ -124,17 +124,26 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
                     tree: str = "1,1,3,1,1,1,1,1", temporal: bool = True, visual_aware: bool = True,
                     dtype: str = "float32", device: str = "cpu", num_slots: int = 8,
                     show_progress: bool | None = None) -> CaptionJobSummary:
-    """Caption ``inputs`` (files or directories) into ``out_path`` (JSONL; ``-`` for stdout)."""
+    """Caption ``inputs`` (files or directories) into ``out_path`` (JSONL; ``-`` for stdout; missing parent
+    directories are created).
+
+    Raises:
+        UnreadableSourceError: no media file among ``inputs``.
+        ValueError: a malformed ``tree`` (see ``TreeSpec.parse``).
+    """
     from specstream.pipeline.defaults import default_caption_models
     from specstream.stages.speculative.drafters.model import TreeSpec
 
     files = expand_inputs(inputs)
     if not files:
         raise UnreadableSourceError(f"no media files in {inputs}")
+    tree_spec = TreeSpec.parse(tree)  # a bad --tree fails before any model loads
+    if out_path not in (None, "-"):
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)  # before the models load, not after the work
     if target is None:
         target, default_draft = default_caption_models()
         drafts = list(drafts) or [str(default_draft)]
-    captioner = Captioner(target, drafts, TreeSpec.parse(tree), temporal=temporal, visual_aware=visual_aware,
+    captioner = Captioner(target, drafts, tree_spec, temporal=temporal, visual_aware=visual_aware,
                           num_slots=num_slots, dtype=dtype, device=device, attention_maps=attention_maps is not None)
     show = sys.stderr.isatty() if show_progress is None else show_progress
     progress = None

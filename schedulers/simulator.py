@@ -101,16 +101,29 @@ class TraceEvent:
 
 
 def load_trace(path: str | Path) -> list[TraceEvent]:
-    """Read a JSONL trace (blank lines and ``#`` comments skipped), sorted by arrival (stable)."""
+    """Read a JSONL trace (blank lines and ``#`` comments skipped), sorted by arrival (stable).
+
+    Raises:
+        ValueError: naming ``path:line``, for a line that is not a JSON object, lacks or mistypes a field, or
+            repeats an earlier line's ``id``.
+    """
     events = []
+    seen: set[str] = set()
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         try:
-            events.append(TraceEvent.from_dict(json.loads(line)))
-        except (ValueError, json.JSONDecodeError) as exc:
+            d = json.loads(line)
+            if not isinstance(d, dict):
+                raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+            ev = TraceEvent.from_dict(d)
+            if ev.id in seen:
+                raise ValueError(f"duplicate request id {ev.id!r}")
+        except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError; TypeError: null fields
             raise ValueError(f"{path}:{n}: {exc}") from None
+        seen.add(ev.id)
+        events.append(ev)
     return sorted(events, key=lambda e: e.t_ms)
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from specstream.errors import SpecstreamError
+from specstream.errors import InvalidRequestError, SpecstreamError
 
 EXIT_INPUT_ERROR = 2
 
@@ -55,11 +55,18 @@ def cmd_generate(args) -> int:
     if args.prompt_ids:
         prompts.append(args.prompt_ids)
     if args.prompt_ids_file:
-        for n, line in enumerate(args.prompt_ids_file.read_text().splitlines(), 1):
+        try:
+            lines = args.prompt_ids_file.read_text().splitlines()
+        except OSError as exc:
+            raise InvalidRequestError(f"--prompt-ids-file: {exc}") from None
+        for n, line in enumerate(lines, 1):
             if line.strip():
-                ids = json.loads(line)
-                if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-                    raise SpecstreamError(f"{args.prompt_ids_file}:{n}: expected a JSON list of integers")
+                try:
+                    ids = json.loads(line)
+                except json.JSONDecodeError:
+                    ids = None
+                if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                    raise InvalidRequestError(f"{args.prompt_ids_file}:{n}: expected a JSON list of integers")
                 prompts.append(ids)
     try:
         tree = TreeSpec.parse(args.tree)
@@ -127,7 +134,13 @@ def _add_caption(sub) -> None:
 
 def cmd_caption(args) -> int:
     from specstream.pipeline.caption_job import run_caption_job
+    from specstream.stages.speculative.drafters.model import TreeSpec
 
+    try:
+        TreeSpec.parse(args.tree)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
     summary = run_caption_job(args.inputs, args.out, args.target, args.draft, args.prompt, args.max_new_tokens,
                               args.max_keyframes_per_minute, args.attention_maps, args.tree,
                               temporal=not args.no_temporal, visual_aware=not args.no_visual_aware,

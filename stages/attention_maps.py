@@ -43,18 +43,35 @@ def overlay(image: np.ndarray, heat: np.ndarray, alpha: float = 0.6) -> np.ndarr
     return (image.astype(np.float32) * (1 - a) + red * a).clip(0, 255).astype(np.uint8)
 
 
+def map_stem(source: str) -> str:
+    """The file-name stem of a source's maps: its stem with unsafe characters replaced (at most 80)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", Path(source).stem)[:80] or "input"
+
+
 def save_attention_map(out_dir: Path, source: str, frame_index: int, image: np.ndarray, attention: np.ndarray,
-                       grid: tuple[int, int] | None) -> Path:
-    """Write ``<out_dir>/<source stem>_f<frame>.png``: the attention overlay of one caption. Returns the path."""
+                       grid: tuple[int, int] | None, stem: str | None = None, max_side: int = 1024) -> Path:
+    """Write ``<out_dir>/<stem>_f<frame>.png``: the attention overlay of one caption. Returns the path.
+
+    Args:
+        image: the keyframe ``[H, W, 3]`` uint8; drawn at most ``max_side`` pixels on its longer side (an
+            8000x8000 photo would otherwise cost gigabytes and a minute per map).
+        attention: ``[n_tokens, n_visual]`` (see :func:`patch_map`).
+        stem: the file-name stem; default :func:`map_stem` of ``source`` (two sources with the same stem, such as
+            ``a/clip.mp4`` and ``b/clip.mp4``, need distinct stems: the caller keeps them apart).
+    """
     from PIL import Image
 
     if grid is None:
         n = attention.shape[1]
         side = int(round(n ** 0.5))
         grid = (side, side) if side * side == n else (1, n)
+    h, w = image.shape[:2]
+    if max(h, w) > max_side:
+        scale = max_side / max(h, w)
+        size = (max(1, round(w * scale)), max(1, round(h * scale)))
+        image = np.asarray(Image.fromarray(image).resize(size, Image.BILINEAR))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(source).stem)[:80] or "input"
-    path = out_dir / f"{stem}_f{frame_index:06d}.png"
+    path = out_dir / f"{stem or map_stem(source)}_f{frame_index:06d}.png"
     Image.fromarray(overlay(image, patch_map(attention, grid))).save(path)
     return path

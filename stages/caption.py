@@ -17,6 +17,7 @@ import base64
 import itertools
 import os
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,11 +107,16 @@ def resolve_source(req: PipelineRequest, allowed_roots: list[Path] | None = None
     return str(real), uri if src.uri.startswith("file://") else path, None
 
 
-def _keyframes_blocking(path: str, max_per_minute: float | None) -> tuple[list, Exception | None, Any]:
-    """Run keyframe selection to the end (or an error): (keyframes, error or None, stats)."""
+def _keyframes_blocking(path: str, max_per_minute: float | None, cancel: threading.Event | None = None
+                        ) -> tuple[list, Exception | None, Any]:
+    """Run keyframe selection to the end (or an error): (keyframes, error or None, stats).
+
+    Raises:
+        KeyframeSelectionCancelled: ``cancel`` was set (the awaiting task was cancelled, e.g. on Ctrl-C).
+    """
     from specstream.stages.keyframes import select_keyframes
 
-    run = select_keyframes(path, max_keyframes_per_minute=max_per_minute)
+    run = select_keyframes(path, max_keyframes_per_minute=max_per_minute, cancel=cancel)
     frames, error = [], None
     try:
         for kf in run:
@@ -191,8 +197,13 @@ class KeyframeStage:
                 await self.broker.publish(TOPIC_FRAMES, req.id, FrameTask(
                     req.id, source, "image", params, req.qos, 0, 0.0, 1.0, image, last=True))
                 return
-            frames, error, stats = await asyncio.to_thread(_keyframes_blocking, path,
-                                                           params.max_keyframes_per_minute)
+            cancel = threading.Event()
+            try:
+                frames, error, stats = await asyncio.to_thread(_keyframes_blocking, path,
+                                                               params.max_keyframes_per_minute, cancel)
+            except asyncio.CancelledError:
+                cancel.set()  # a thread cannot be cancelled: stop its decode loop, or Ctrl-C waits for the video
+                raise
             self.frames_decoded += stats.frames_decoded
             self.keyframes += len(frames)
             for i, kf in enumerate(frames):
@@ -332,6 +343,7 @@ class CaptionStage:
         self.chain_store = chain_store
         self.stats = CaptionStats()
         self._chains: dict[str, tuple[asyncio.Task, int]] = {}  # request id -> (task of the newest frame, its seq)
+        self._map_stems: dict[str, str] = {}  # source -> its attention maps' file-name stem (unique per source)
 
     async def run(self) -> None:
         self.driver.start()
@@ -368,6 +380,21 @@ class CaptionStage:
         finally:
             msg.done()
 
+    def _map_stem(self, source: str) -> str:
+        """A file-name stem for ``source``'s attention maps that no other source of this stage uses:
+        ``clip`` for the first ``.../clip.*``, then ``clip-2``, ``clip-3``, ..."""
+        from specstream.stages.attention_maps import map_stem
+
+        if source not in self._map_stems:
+            base = map_stem(source)
+            taken = set(self._map_stems.values())
+            stem, n = base, 1
+            while stem in taken:
+                n += 1
+                stem = f"{base}-{n}"
+            self._map_stems[source] = stem
+        return self._map_stems[source]
+
     async def _handle(self, frame: FrameTask, hypothesis: list[int] | None, seq: int) -> list[int] | None:
         prepared = None
         if frame.error is None:
@@ -378,7 +405,7 @@ class CaptionStage:
         if frame.error is not None:
             self.stats.errors += 1
             await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
-                id=frame.request_id, status="error", error=frame.error, seq=seq, final=True))
+                id=frame.request_id, status="error", error=frame.error, seq=seq, final=frame.last))
             return hypothesis
         req = self.captioner.make_request(prepared, frame.params.max_new_tokens, frame.qos, hypothesis)
         t0 = time.perf_counter()
@@ -387,14 +414,14 @@ class CaptionStage:
         except SpecstreamError as exc:
             self.stats.errors += 1
             await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
-                id=frame.request_id, status="error", error=ErrorInfo(**exc.to_dict()), seq=seq, final=True))
+                id=frame.request_id, status="error", error=ErrorInfo(**exc.to_dict()), seq=seq, final=frame.last))
             return hypothesis
         self.stats.decode_s += time.perf_counter() - t0
         vis = self.captioner.engine.visual_attention.pop(done.request_id, None)
         if done.error:
             self.stats.errors += 1
             await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
-                id=frame.request_id, status="error", error=ErrorInfo(**done.error), seq=seq, final=True))
+                id=frame.request_id, status="error", error=ErrorInfo(**done.error), seq=seq, final=frame.last))
             return hypothesis
         tokens = list(done.output_ids)
         caption = self.captioner.text(tokens)
@@ -407,7 +434,7 @@ class CaptionStage:
             from specstream.stages.attention_maps import save_attention_map
 
             path = save_attention_map(self.attention_maps, frame.source, frame.frame_index, frame.image,
-                                      np.stack(vis), prepared.grid)
+                                      np.stack(vis), prepared.grid, stem=self._map_stem(frame.source))
             record["attention_map"] = str(path)
         self.stats.captions += 1
         self.stats.tokens += len(tokens)

@@ -72,10 +72,14 @@ def hf_target(tiny):
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
-    """Hugging Face ``generate(do_sample=False)``: the oracle. Output cut after the first EOS."""
+    """Hugging Face ``generate(do_sample=False)``: the oracle. Output cut after the first EOS.
+
+    The attention mask is explicit: without one, ``generate`` masks out every prompt token equal to the pad id
+    (0 here, or the EOS), and the oracle would decode a different prompt."""
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eos, pad_token_id=0 if eos is None else eos)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eos, pad_token_id=0 if eos is None else eos)
     toks = out[0, len(prompt):].tolist()
     if eos is not None and eos in toks:
         toks = toks[: toks.index(eos) + 1]

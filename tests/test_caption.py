@@ -255,3 +255,91 @@ def test_llava_onevision_target_equals_its_own_generate(tmp_path, src):
         captioner.engine.run()
         assert req.output_ids == want
     assert len(counts) >= 2  # different image sizes, different numbers of visual tokens
+
+
+def test_out_into_a_missing_directory_is_created(tmp_path, clips):
+    out = tmp_path / "not" / "yet" / "there.jsonl"
+    summary = run_caption_job([str(clips["empty.mp4"])], str(out), max_new_tokens=2, show_progress=False)
+    assert summary.failed_inputs == 1
+    assert json.loads(out.read_text())["error"]["code"] == "unreadable_source"
+
+
+def test_cli_caption_bad_tree_is_a_clear_error_before_models_load(tmp_path, capsys):
+    from specstream.cli import main
+
+    image = tmp_path / "x.png"
+    image.write_bytes(b"\x89PNG")
+    assert main(["caption", str(image), "--out", str(tmp_path / "o.jsonl"), "--tree", "foo"]) == 2
+    assert "bad tree 'foo'" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_attention_maps_of_sources_with_the_same_stem_do_not_overwrite(tmp_path, src):
+    import shutil
+
+    inputs = []
+    for sub, name in (("a", "astronaut.png"), ("b", "astronaut.png"), ("b", "astronaut.webp")):
+        (tmp_path / sub).mkdir(exist_ok=True)
+        dst = tmp_path / sub / name
+        if name.endswith(".webp"):
+            from PIL import Image
+
+            Image.open(src["astronaut"]).save(dst)
+        else:
+            shutil.copy(src["astronaut"], dst)
+        inputs.append(str(dst))
+    out, maps = tmp_path / "c.jsonl", tmp_path / "maps"
+    run_caption_job(inputs, str(out), max_new_tokens=2, attention_maps=str(maps), show_progress=False)
+    paths = [json.loads(line)["attention_map"] for line in out.read_text().splitlines()]
+    assert len(set(paths)) == 3 and all((maps / p.split("/")[-1]).exists() for p in paths)
+    assert len(list(maps.iterdir())) == 3
+
+
+def test_attention_map_of_a_huge_image_is_drawn_downscaled(tmp_path):
+    from PIL import Image
+
+    from specstream.stages.attention_maps import save_attention_map
+
+    attention = np.full((2, 64), 0.001, dtype=np.float32)
+    attention[:, 8 * 3 + 5] = 0.5
+    image = np.full((1600, 4000, 3), 100, dtype=np.uint8)
+    png = np.asarray(Image.open(save_attention_map(tmp_path, "big.png", 0, image, attention, (8, 8))))
+    assert png.shape == (410, 1024, 3)
+    redness = png[..., 0].astype(int) - png[..., 1].astype(int)
+    y, x = np.unravel_index(redness.argmax(), redness.shape)
+    assert (y * 8 // 410, x * 8 // 1024) == (3, 5)
+
+
+def test_a_frame_failing_mid_video_does_not_end_the_input(models, src):
+    """An error on a video's non-last frame is that frame's record: the later frames are still captioned and
+    the input ends (``final``) only with its last frame."""
+    from specstream.modalities.image import load_image
+    from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_RESULTS, InProcessBroker
+    from specstream.pipeline.messages import CaptionParams
+    from specstream.stages.caption import Captioner, CaptionStage, FrameTask
+
+    target, _ = models
+    captioner = Captioner(target, [], temporal=False, visual_aware=False)
+    good = load_image(src["astronaut"])
+    params = CaptionParams(max_new_tokens=2)
+
+    async def scenario():
+        broker = InProcessBroker()
+        stage = CaptionStage(broker, captioner)
+        run = asyncio.create_task(stage.run())
+        frames = [good, np.zeros((0, 0, 3), dtype=np.uint8), good]  # the middle frame cannot be preprocessed
+        for i, image in enumerate(frames):
+            await broker.publish(TOPIC_FRAMES, "r", FrameTask("r", "v.mp4", "video", params, "batch", i, i * 1.0,
+                                                              1.0, image, last=i == len(frames) - 1))
+        results = []
+        async for msg in broker.subscribe(TOPIC_RESULTS):
+            results.append(msg.value)
+            if msg.value.final:
+                break
+        await broker.close_topic(TOPIC_FRAMES)
+        await run
+        return results
+
+    results = asyncio.run(asyncio.wait_for(scenario(), 300))
+    assert [(r.seq, r.status, r.final) for r in sorted(results, key=lambda r: r.seq)] == [
+        (0, "ok", False), (1, "error", False), (2, "ok", True)]

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import hf_greedy
 
 CMD = [sys.executable, "-m", "specstream"]
@@ -86,3 +88,16 @@ def test_clear_errors_and_exit_codes(tiny, tmp_path):
     err = run("generate", "--target", tiny.target, "--prompt-ids", ",".join(["1"] * 300), "--max-new-tokens", 2,
               "--max-len", 256, check_rc=2).stderr
     assert "context_length_exceeded" in err
+
+
+@pytest.mark.parametrize("content", ["[1, 2]\n[1, 2\n", "[1, 2]\n[true, 2]\n", "[1, 2]\n{\"ids\": [1]}\n", None])
+def test_bad_prompt_ids_file_is_a_clear_error(tiny, tmp_path, capsys, content):
+    from specstream.cli import main
+
+    path = tmp_path / "p.jsonl"
+    if content is not None:
+        path.write_text(content)
+    assert main(["generate", "--target", str(tiny.target), "--prompt-ids-file", str(path), "--max-new-tokens",
+                 "2", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid_request" in err and ("p.jsonl:2" in err if content else "No such file" in err)

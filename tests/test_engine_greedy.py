@@ -219,3 +219,23 @@ def test_random_draft_is_switched_off_by_adaptivity(tiny, references):
     drafted_steps = len([a for a in req.stats.accepted_per_step])
     assert eng.executor.drafters[0].forwards <= 8 * 8  # a few full trees, then probes only
     assert drafted_steps == req.stats.target_steps - 1
+
+
+def test_prompt_holding_the_pad_id_and_eos_matches_hf(tiny, hf_target):
+    """Token 0 (the oracle's pad id) and the EOS inside the prompt, the EOS as its last token: ordinary tokens."""
+    prompt = [4, 174, 162, 164, 18, 75, 131, 79, 194, 150, 240, 33, 43, 20, 33, 115, 66, 20, 153, 7, 229, 169, 82,
+              76, 235, 190, 195, 17, 46, 39, 218, 105, 148, 213, 246, 198, 119, 10, 0, 93]
+    want = hf_greedy(hf_target, prompt, 32)
+    assert_clear_greedy_path(hf_target, prompt, want)
+    engine = SpeculativeEngine.from_checkpoints(tiny.target, [tiny.noisy], ngram=True,
+                                                config=EngineConfig(num_slots=2, max_len=256))
+    assert engine.generate([prompt], 32)[0].output_ids == want
+    with torch.no_grad():  # the oracle itself: a plain argmax loop over full forwards
+        ids = list(prompt)
+        for _ in range(32):
+            ids.append(int(hf_target(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert ids[len(prompt):] == want
+    eos_prompt = prompt[:-1] + [7]
+    eng7 = SpeculativeEngine.from_checkpoints(tiny.with_eos(7), [tiny.same], config=EngineConfig(num_slots=1))
+    out = eng7.generate([eos_prompt], 16)[0]
+    assert out.output_ids == hf_greedy(hf_target, eos_prompt, 16, eos=7)

@@ -188,3 +188,44 @@ def test_keyframes_bench_reports_all_baselines(clips, tmp_path):
         assert r["seconds"] > 0 and r["frames_per_s"] == pytest.approx(150 / r["seconds"], rel=0.01)
     assert report["ratios"]["select_vs_ffmpeg"] == pytest.approx(
         report["results"]["ffmpeg"]["seconds"] / report["results"]["select_keyframes"]["seconds"], rel=0.01)
+
+
+def test_cancelled_keyframe_stage_stops_decoding_at_once(tmp_path, src):
+    """Ctrl-C cancels the caption graph's tasks, but a thread cannot be cancelled: the keyframe stage sets its
+    selection's cancel event, so shutting down does not wait for the rest of a long video to be decoded."""
+    import asyncio
+    import multiprocessing
+    import time
+
+    from specstream.pipeline.broker import TOPIC_REQUESTS, InProcessBroker
+    from specstream.pipeline.messages import PipelineRequest, Source
+    from specstream.stages.caption import KeyframeStage
+
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"file '{src['bigbuckbunny']}'\n" for _ in range(40)))  # 211 s of 720p
+    long_clip = tmp_path / "long.mp4"
+    media.ffmpeg("-f", "concat", "-safe", "0", "-i", str(listing), "-c", "copy", str(long_clip))
+
+    async def main():
+        broker = InProcessBroker()
+        stage = KeyframeStage(broker)
+        await broker.publish(TOPIC_REQUESTS, "r", PipelineRequest(id="r", task="caption",
+                                                                  source=Source(uri=str(long_clip))))
+        asyncio.create_task(stage.run())
+        await asyncio.sleep(2.0)  # decoding is under way; returning cancels every task, as Ctrl-C does
+
+    t0 = time.perf_counter()
+    asyncio.run(main())  # waits for the default executor's threads to finish
+    assert time.perf_counter() - t0 < 12.0  # decoding the whole clip takes over 20 s here
+    assert not multiprocessing.active_children()
+
+
+def test_select_keyframes_cancel_event(src):
+    import threading
+
+    from specstream.stages.keyframes import KeyframeSelectionCancelled
+
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(KeyframeSelectionCancelled):
+        list(select_keyframes(src["bigbuckbunny"], cancel=cancel))

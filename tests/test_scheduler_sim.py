@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -111,3 +112,19 @@ def test_bench_scheduler_writes_table_and_plot(tmp_path):
     assert "| qos |" in table and "fifo" in table and "static" in table
     assert (tmp_path / "scheduler.png").stat().st_size > 1000
     assert json.loads((tmp_path / "scheduler.json").read_text())["policies"]["qos"]["realtime"]
+
+
+@pytest.mark.parametrize("bad_line, words", [
+    ("[1, 2]", "JSON object"),
+    ("null", "JSON object"),
+    ('{"t_ms": 0, "id": "b", "qos": "batch", "deadline_ms": 1, "prompt_tokens": 4, "max_new_tokens": null}', "b"),
+    ('{"t_ms": 0, "id": "a", "qos": "batch", "deadline_ms": 1, "prompt_tokens": 4, "max_new_tokens": 2}',
+     "duplicate request id 'a'"),
+])
+def test_simulate_cli_malformed_trace_line_is_a_clear_error(tmp_path, capsys, bad_line, words):
+    good = '{"t_ms": 0, "id": "a", "qos": "batch", "deadline_ms": 1, "prompt_tokens": 4, "max_new_tokens": 2}'
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(good + "\n" + bad_line + "\n")
+    assert simulate_main(["--trace", str(trace), "--json"]) == 2
+    err = json.loads(capsys.readouterr().err)["error"]
+    assert err["code"] == "invalid_request" and "t.jsonl:2" in err["message"] and words in err["message"]

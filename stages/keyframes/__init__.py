@@ -7,7 +7,14 @@ Public names: `select_keyframes`, `Keyframe`, `KeyframeSelector` (streaming), `S
 from .base import SceneBoundary, SceneDetector
 from .dedup import ClipDeduplicator, DeduplicatorUnavailable
 from .histogram import HistogramDetector, HistogramDetectorParams
-from .selector import Keyframe, KeyframeRun, KeyframeRunStats, KeyframeSelector, select_keyframes
+from .selector import (
+    Keyframe,
+    KeyframeRun,
+    KeyframeRunStats,
+    KeyframeSelectionCancelled,
+    KeyframeSelector,
+    select_keyframes,
+)
 
 __all__ = [
     "ClipDeduplicator",
@@ -17,6 +24,7 @@ __all__ = [
     "Keyframe",
     "KeyframeRun",
     "KeyframeRunStats",
+    "KeyframeSelectionCancelled",
     "KeyframeSelector",
     "SceneBoundary",
     "SceneDetector",

@@ -8,6 +8,7 @@ the keyframes (frame-level dynamic loading).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -109,13 +110,18 @@ class KeyframeRunStats:
     options: dict[str, Any] = field(default_factory=dict)  # options actually used
 
 
+class KeyframeSelectionCancelled(Exception):
+    """`select_keyframes` stopped because its ``cancel`` event was set (the decoding child is gone)."""
+
+
 class KeyframeRun:
     """Iterable result of `select_keyframes`: iterate once for `Keyframe`s (images decoded); ``stats`` and
     ``info`` (the `VideoInfo`) are filled during iteration."""
 
     def __init__(self, path: str, *, detector_factory, max_keyframes_per_minute, decode_images, proxy_long_side,
-                 backend, stall_timeout_s, deduplicator):
+                 backend, stall_timeout_s, deduplicator, cancel=None):
         self.path = path
+        self._cancel = cancel
         self._detector_factory = detector_factory
         self._cap = max_keyframes_per_minute
         self._decode_images = decode_images
@@ -151,6 +157,8 @@ class KeyframeRun:
             last_t = None
             try:
                 for f in session.proxy_frames():
+                    if self._cancel is not None and self._cancel.is_set():
+                        raise KeyframeSelectionCancelled(f"keyframe selection of {self.path} cancelled")
                     keyframes.extend(selector.push(f.frame_index, f.timestamp_s, f.image))
                     last_t = f.timestamp_s
                 keyframes.extend(selector.finish())
@@ -199,6 +207,7 @@ def select_keyframes(
     backend: str = "auto",
     stall_timeout_s: float = 30.0,
     deduplicator: ClipDeduplicator | None = None,
+    cancel: threading.Event | None = None,
 ) -> KeyframeRun:
     """Select the keyframes of the video at ``path``: the first frame of each scene.
 
@@ -211,7 +220,8 @@ def select_keyframes(
     Returns a `KeyframeRun`: iterate it for `Keyframe`s in ascending time; its ``stats`` record the run.
     Raises (while iterating) the `specstream.errors.MediaError` subclasses: ``unreadable_source``,
     ``unsupported_media``, ``no_video_stream``, ``corrupt_media`` (after yielding the keyframes of the part that
-    decoded), ``decode_timeout``.
+    decoded), ``decode_timeout``; `KeyframeSelectionCancelled` within one proxy frame once ``cancel`` (an event
+    another thread may set, e.g. on Ctrl-C) is set.
     """
     if detector not in _DETECTORS:
         raise ValueError(f"unknown detector {detector!r}; known: {sorted(_DETECTORS)}")
@@ -223,5 +233,5 @@ def select_keyframes(
     return KeyframeRun(
         os.fspath(path), detector_factory=factory, max_keyframes_per_minute=max_keyframes_per_minute,
         decode_images=decode_images, proxy_long_side=proxy_long_side, backend=backend,
-        stall_timeout_s=stall_timeout_s, deduplicator=deduplicator,
+        stall_timeout_s=stall_timeout_s, deduplicator=deduplicator, cancel=cancel,
     )

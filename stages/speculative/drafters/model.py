@@ -43,14 +43,23 @@ class TreeSpec:
 
     @staticmethod
     def parse(text: str) -> "TreeSpec":
-        """Parse ``"1,1,3,1"`` or ``"dynamic:NODES"`` (the CLI's ``--tree``)."""
+        """Parse ``"1,1,3,1"`` or ``"dynamic:NODES"`` (the CLI's ``--tree``).
+
+        Raises:
+            ValueError: not integers, a width < 1, or fewer than one node.
+        """
         text = text.strip()
+        try:
+            if text.startswith("dynamic:"):
+                nodes = int(text.split(":", 1)[1])
+            else:
+                widths = tuple(int(w) for w in text.split(",") if w.strip())
+        except ValueError:
+            raise ValueError(f"bad tree {text!r}: need widths like 1,1,3,1 or dynamic:NODES") from None
         if text.startswith("dynamic:"):
-            nodes = int(text.split(":", 1)[1])
             if nodes < 1:
                 raise ValueError("dynamic tree needs at least one node")
             return TreeSpec(widths=(), dynamic_nodes=nodes)
-        widths = tuple(int(w) for w in text.split(",") if w.strip())
         if not widths or any(w < 1 for w in widths):
             raise ValueError(f"bad tree widths {text!r}: need positive integers like 1,1,3,1")
         return TreeSpec(widths=widths, max_depth=len(widths))
