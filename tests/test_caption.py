@@ -330,7 +330,7 @@ def test_a_frame_failing_mid_video_does_not_end_the_input(models, src):
         frames = [good, np.zeros((0, 0, 3), dtype=np.uint8), good]  # the middle frame cannot be preprocessed
         for i, image in enumerate(frames):
             await broker.publish(TOPIC_FRAMES, "r", FrameTask("r", "v.mp4", "video", params, "batch", i, i * 1.0,
-                                                              1.0, image, last=i == len(frames) - 1))
+                                                              1.0, image, last=i == len(frames) - 1, seq=i))
         results = []
         async for msg in broker.subscribe(TOPIC_RESULTS):
             results.append(msg.value)
