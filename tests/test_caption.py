@@ -343,3 +343,69 @@ def test_a_frame_failing_mid_video_does_not_end_the_input(models, src):
     results = asyncio.run(asyncio.wait_for(scenario(), 300))
     assert [(r.seq, r.status, r.final) for r in sorted(results, key=lambda r: r.seq)] == [
         (0, "ok", False), (1, "error", False), (2, "ok", True)]
+
+
+def test_planted_dominant_visual_key_puts_the_attention_map_maximum_on_its_patch(models, src, tmp_path):
+    """Layer 0 of a copy of the tiny target is rewired so that a key's score is proportional to hidden dimension
+    0 of its token (query = a constant bias along the slowest RoPE pair, key reads dimension 0 only). Planting
+    a large dimension 0 in the visual token of patch (2, 5) makes it the dominant key: the exported attention
+    and the written map must peak on that patch."""
+    import shutil
+
+    from PIL import Image
+    from safetensors.numpy import load_file, save_file
+
+    from specstream.modalities.image import load_image
+    from specstream.stages.attention_maps import save_attention_map
+    from specstream.stages.caption import Captioner
+
+    target, _ = models
+    path = tmp_path / "planted"
+    shutil.copytree(target, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["attention_bias"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    (wfile,) = list(path.glob("*.safetensors"))
+    state = load_file(str(wfile))
+    text = cfg["text_config"]
+    hidden, heads, kv = text["hidden_size"], text["num_attention_heads"], text["num_key_value_heads"]
+    hd = hidden // heads
+    prefix = next(k for k in state if k.endswith("layers.0.self_attn.q_proj.weight")).rsplit("layers.0.", 1)[0]
+    for layer in range(text["num_hidden_layers"]):
+        for proj, n_out in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd), ("o", hidden)):
+            state[f"{prefix}layers.{layer}.self_attn.{proj}_proj.bias"] = np.zeros(n_out, np.float32)
+    u = hd // 2 - 1  # the slowest-rotating RoPE pair: rotation is negligible over the prompt
+    q_bias = np.zeros((heads, hd), np.float32)
+    q_bias[:, u] = 10.0
+    state[f"{prefix}layers.0.self_attn.q_proj.weight"] = np.zeros((heads * hd, hidden), np.float32)
+    state[f"{prefix}layers.0.self_attn.q_proj.bias"] = q_bias.reshape(-1)
+    k_w = np.zeros((kv, hd, hidden), np.float32)
+    k_w[:, u, 0] = 1.0
+    state[f"{prefix}layers.0.self_attn.k_proj.weight"] = k_w.reshape(kv * hd, hidden)
+    save_file(state, str(wfile), metadata={"format": "pt"})
+
+    captioner = Captioner(path, [], temporal=False, visual_aware=False, attention_maps=True)
+    eng = captioner.engine
+    eng.executor.attention_layers = (0,)
+    image = load_image(src["rocket"])
+    prep = captioner.vlm.prepare(image, PROMPT)
+    planted = 2 * 8 + 5
+    req = captioner.make_request(prep, 4)
+    req.encodes = ()  # the embeddings are given below
+    feats = captioner.vlm.encode([prep])[0]
+    emb = captioner.vlm.prompt_embeds(prep, feats).clone()
+    vis = torch.tensor(prep.visual_positions)
+    emb[vis, 0] = 0.0
+    emb[vis[planted]] = 0.0
+    emb[vis[planted], 0] = 1.0
+    eng.executor.prefix_embeds[req.request_id] = emb
+    eng.add_request(req)
+    eng.run()
+    attention = np.stack(eng.visual_attention.pop(req.request_id))
+    assert attention.shape == (4, 64)
+    assert (attention.argmax(1) == planted).all()
+    assert attention[:, planted].min() > 0.5  # dominant: most of the mass of every committed token's row
+    png = np.asarray(Image.open(save_attention_map(tmp_path / "maps", "cat.png", 0, image, attention, prep.grid)))
+    redness = png[..., 0].astype(int) - png[..., 1].astype(int)
+    y, x = np.unravel_index(redness.argmax(), redness.shape)
+    assert (y * 8 // png.shape[0], x * 8 // png.shape[1]) == (2, 5)
