@@ -17,9 +17,10 @@ How a pass works:
 3. The decoder is drafted by the previous hypothesis (temporal drafter, merged with the n-gram drafter):
    the window grew by ~0.5 s, so most tokens are verified rather than generated. Greedy verification keeps
    the output identical to undrafted decoding.
-4. **LocalAgreement-2** commits the longest common prefix of this hypothesis and the previous one (after the
-   text already committed in the buffer), cut back to a word boundary; when two complete hypotheses are
-   identical (speech ended), all of it is committed.
+4. **LocalAgreement over a span of audio** commits the longest common prefix of this hypothesis and every
+   recent one back to the newest whose window ended ``agree_span_s`` earlier (LocalAgreement-2 when passes are
+   that far apart), after the text already committed in the buffer, cut back to a word boundary; when all of
+   them are complete and identical (speech ended), all of it is committed.
 5. Each window is conditioned on earlier committed text (``<|startofprev|>``). A buffer over ``trim_after_s``
    is trimmed at a VAD pause: the audio up to the pause is decoded once more to split the hypothesis there
    (:meth:`StreamingRecognizer._trim_at_pause`), so no uncommitted audio is dropped; after an utterance, once
@@ -168,6 +169,10 @@ class StreamConfig:
 
     Attributes:
         min_hop_s: least new audio between passes (the hop is ``max(min_hop_s, last pass wall time)``).
+        agree_span_s: the commit policy compares the newest hypothesis with every hypothesis back to the newest
+            one whose window ended at least this much audio earlier (LocalAgreement-2 when passes are this far
+            apart; with faster passes, LocalAgreement-n over this span), so a word is committed only once
+            windows this much longer still read it the same way. 0: plain LocalAgreement-2.
         trim_after_s: a buffer longer than this is trimmed at a VAD pause (see :meth:`StreamingRecognizer._trim_at_pause`).
         keep_s: such a trim keeps at least this much audio (the context of the next windows).
         max_buffer_s: a buffer longer than this is trimmed at any VAD pause, or committed and cleared when it has
@@ -183,6 +188,7 @@ class StreamConfig:
     """
 
     min_hop_s: float = 0.5
+    agree_span_s: float = 2.5
     trim_after_s: float = 15.0
     keep_s: float = 6.0
     max_buffer_s: float = 25.0
@@ -406,6 +412,8 @@ class StreamingRecognizer:
         self._prev: list[int] | None = None  # previous hypothesis of the current buffer
         self._prev_complete = False
         self._seen: list[tuple[float, float]] = []  # per token of _prev: (lo, hi) first-seen interval
+        # recent hypotheses of the current buffer, oldest first: (window end s, tokens, complete); the last is _prev
+        self._hyps: list[tuple[float, list[int], bool]] = []
         self._last_pass_end_s = 0.0
         self._hop_s = self.config.min_hop_s
         self._last_end_s = 0.0  # end of the last final
@@ -564,7 +572,14 @@ class StreamingRecognizer:
         return j
 
     def _agree(self, hyp: list[int], complete: bool, lo_s: float, end_s: float, final: bool) -> list[Subtitle]:
-        """LocalAgreement-2 between ``hyp`` and the previous hypothesis; returns the final and/or partial."""
+        """The commit policy; returns the final and/or partial.
+
+        LocalAgreement over a span of audio: ``hyp`` is compared with every recent hypothesis back to the newest
+        one whose window ended at least ``agree_span_s`` earlier (with passes that far apart: the previous one,
+        i.e. LocalAgreement-2). The longest prefix (after the committed text) all of them agree on is committed,
+        cut back to a word boundary; when all of them are complete and identical (speech ended), all of it.
+        With 0.5-s hops plain LocalAgreement-2 committed tiny.en's first readings of a sentence, which windows
+        a second or two longer correct."""
         out: list[Subtitle] = []
         prev, prev_seen = self._prev, self._seen
         seen = _carry_seen(prev or [], prev_seen, hyp, (lo_s, end_s))
@@ -573,12 +588,13 @@ class StreamingRecognizer:
         if a is not None:
             if final:
                 commit_to = len(hyp)
-            elif prev is not None:
-                pa = self._align(prev)
-                if pa is not None:
-                    new, pnew = hyp[a:], prev[pa:]
-                    agree = _lcp(new, pnew)
-                    if complete and self._prev_complete and agree == len(new) == len(pnew):
+            else:
+                refs = self._agreement_refs(end_s)
+                aligned = [(h, self._align(h), c) for h, c in refs]
+                if refs and all(pa is not None for _, pa, _ in aligned):
+                    new = hyp[a:]
+                    agree = min(_lcp(new, h[pa:]) for h, pa, _ in aligned)
+                    if complete and all(c and agree == len(new) == len(h) - pa for h, pa, c in aligned):
                         commit_to = len(hyp)
                     else:
                         j = agree
@@ -591,11 +607,29 @@ class StreamingRecognizer:
             elif commit_to is None:
                 commit_to = a
         self._prev, self._seen, self._prev_complete = list(hyp), seen, complete
+        self._remember(end_s, hyp, complete)
         rest = hyp[commit_to:] if commit_to is not None else []
         text = self.service.text(rest) if rest else ""
         if text != self._partial:
             out.append(self._emit_partial(text))
         return out
+
+    def _agreement_refs(self, end_s: float) -> list[tuple[list[int], bool]]:
+        """The hypotheses a new one at ``end_s`` must agree with: all from the newest one whose window ended at
+        least ``agree_span_s`` before ``end_s`` on (empty: none is old enough, nothing is committed yet)."""
+        span = self.config.agree_span_s
+        old = [i for i, (e, _, _) in enumerate(self._hyps) if e <= end_s - span + 1e-6]
+        if not old:
+            return []
+        return [(h, c) for _, h, c in self._hyps[old[-1]:]]
+
+    def _remember(self, end_s: float, hyp: list[int], complete: bool) -> None:
+        """Append a hypothesis to the recent ones; drop those no later pass compares with."""
+        self._hyps.append((end_s, list(hyp), complete))
+        span = self.config.agree_span_s
+        old = [i for i, (e, _, _) in enumerate(self._hyps) if e <= end_s - span + 1e-6]
+        if old:
+            del self._hyps[:old[-1]]
 
     # -- emitting ------------------------------------------------------------------------------------------------
     def _emit_final(self, tokens: list[int], seen: list[tuple[float, float]], end_s: float) -> Subtitle:
@@ -640,6 +674,7 @@ class StreamingRecognizer:
         self._history += self._committed
         self.buffer.trim(new_start)
         self._committed, self._prev, self._seen, self._prev_complete = [], None, [], False
+        self._hyps = []
         self._drop_old_arrivals()
 
     def _drop_old_arrivals(self) -> None:
@@ -675,14 +710,23 @@ class StreamingRecognizer:
         half = cfg.vad.min_silence_s / 2
         cuts = [t + half for t in self.vad.speech_offsets(start_s + 0.5, limit_s) if t + half <= limit_s]
         k = None
+        part: list[int] = []
         if cuts:
             p = cuts[-1]
-            hyp, _ = await self._decode(self.buffer.start, int(round(p * SAMPLE_RATE)))
-            k = self._locate(self._prev, hyp)
+            part, _ = await self._decode(self.buffer.start, int(round(p * SAMPLE_RATE)))
+            k = self._locate(self._prev, part)
         if k is None:
             if not force:
                 return out
             p, k = self._last_pass_end_s, len(self._prev)  # the previous pass covered the buffer to here
+            self._hyps = []
+        else:  # the recent hypotheses lose the same text (those where it cannot be located are dropped)
+            hyps = []
+            for e, h, c in self._hyps[:-1]:
+                kh = self._locate(h, part)
+                if kh is not None:
+                    hyps.append((e, h[kh:], c))
+            self._hyps = hyps + [(e, h[k:], c) for e, h, c in self._hyps[-1:]] if len(self._prev) > k else []
         c = len(self._committed)
         if k > c:
             out.append(self._emit_final(self._prev[c:k], self._seen[c:k], p))
