@@ -162,11 +162,13 @@ class ModelDrafter(Drafter):
         return out
 
     # -- forwards ------------------------------------------------------------------------------------------
-    def _forward(self, rows: list[tuple[int, list[int], list[int], list[int], list[list[int]], int]],
-                 sampling: list[SamplingParams]) -> list[np.ndarray]:
-        """rows: (slot, tokens, positions, columns, visible-columns-per-token, prefix_len).
+    def _forward(self, rows: list[tuple[int, list[int], list[int], list[int], list[list[int]] | None, int]],
+                 sampling: list[SamplingParams], last_only: bool = False) -> list[np.ndarray]:
+        """rows: (slot, tokens, positions, columns, visible columns per token, prefix_len). ``visible`` None means
+        a causal chain over contiguous ``columns`` (the catch-up with committed tokens).
 
-        Returns per row the distributions ``[len(tokens), V]`` (see :meth:`_distributions`)."""
+        Returns per row the distributions ``[len(tokens), V]`` (``[1, V]`` of the last token with ``last_only``:
+        the catch-up needs only the root's children, so the output head and softmax run on one row)."""
         device = self.model.device
         b = len(rows)
         t = max(len(r[1]) for r in rows)
@@ -181,15 +183,24 @@ class ModelDrafter(Drafter):
             pos[i, :n] = p
             cols[i, :n] = c
             mask[i, :n, :prefix] = True
-            for j, v in enumerate(vis):
-                mask[i, j, v] = True
+            if vis is None:
+                mask[i, :n, c[0]:c[0] + n] = np.tri(n, dtype=bool)
+            else:
+                for j, v in enumerate(vis):
+                    mask[i, j, v] = True
             mask[i, n:, 0] = True
         slots = torch.tensor([r[0] for r in rows], dtype=torch.long, device=device)
+        logit_index = None
+        if last_only:
+            logit_index = torch.tensor([[len(r[1]) - 1] for r in rows], dtype=torch.long, device=device)
         batch = ForwardBatch(slots, torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device),
-                             torch.from_numpy(cols).to(device), torch.from_numpy(mask).to(device))
+                             torch.from_numpy(cols).to(device), torch.from_numpy(mask).to(device),
+                             logit_index=logit_index)
         logits, _ = self.model.forward_batch(self.cache, batch)
         self.forwards += 1
         dists = self._distributions(logits.cpu(), sampling)
+        if last_only:
+            return list(dists)
         return [d[: len(r[1])] for d, r in zip(dists, rows)]
 
     def propose(self, inputs: list[DraftInput]) -> list[TokenTree]:
@@ -205,8 +216,8 @@ class ModelDrafter(Drafter):
                 length = 0  # stale slot (reused or preempted): rebuild
             catch = inp.context[length:]
             columns = list(range(length, len(inp.context)))
-            rows.append((inp.slot, catch, columns, columns, [columns[: j + 1] for j in range(len(catch))], length))
-        logits = self._forward(rows, [inp.sampling for inp in inputs])
+            rows.append((inp.slot, catch, columns, columns, None, length))
+        logits = self._forward(rows, [inp.sampling for inp in inputs], last_only=True)
         for inp in inputs:
             self.cache.lengths[inp.slot] = len(inp.context)
         frontier: list[list[tuple[_Node, np.ndarray]]] = [
