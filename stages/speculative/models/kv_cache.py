@@ -62,9 +62,17 @@ class KVCache:
         self.k[layer][slots[:, None], :, write_index] = k.transpose(1, 2)
         self.v[layer][slots[:, None], :, write_index] = v.transpose(1, 2)
 
-    def read(self, layer: int, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of columns ``[0, length)`` for each slot: two ``[B, num_kv_heads, length, head_dim]``."""
-        if slots.numel() == self.num_slots and bool((slots == torch.arange(self.num_slots, device=slots.device)).all()):
+    def covers_all_slots(self, slots: torch.Tensor) -> bool:
+        """True when ``slots`` is ``0, 1, ..., num_slots - 1``: :meth:`read` can then slice instead of gather.
+        Decided once per forward (it synchronises with the device)."""
+        return slots.numel() == self.num_slots and bool(
+            (slots == torch.arange(self.num_slots, device=slots.device)).all())
+
+    def read(self, layer: int, slots: torch.Tensor | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of columns ``[0, length)`` for each slot: two ``[B, num_kv_heads, length, head_dim]``.
+
+        ``slots`` None means every slot in order (a view, no copy; see :meth:`covers_all_slots`)."""
+        if slots is None:
             return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
         return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
 

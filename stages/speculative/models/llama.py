@@ -40,6 +40,7 @@ class ForwardBatch:
     logit_index: torch.Tensor | None = None
     inputs_embeds: torch.Tensor | None = None
     attention_layers: tuple[int, ...] = ()
+    read_slots: torch.Tensor | None = None  # set by the decoder: slots to gather, None = all slots in order
 
 
 class RMSNorm(nn.Module):
@@ -82,7 +83,7 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         cache.write(self.layer, batch.slots, batch.write_index, k, v)
-        keys, values = cache.read(self.layer, batch.slots, key_len)
+        keys, values = cache.read(self.layer, batch.read_slots, key_len)
         want = self.layer in batch.attention_layers
         out, probs = tree_attention(q, keys, values, mask, self.head_dim**-0.5, return_probs=want)
         out = out.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim)
@@ -184,6 +185,7 @@ class LlamaDecoder(nn.Module):
         mask = batch.attn_mask
         # remember the position id stored in every written column (sliding-window masks need it)
         cache.positions[batch.slots[:, None], batch.write_index] = batch.position_ids
+        batch.read_slots = None if cache.covers_all_slots(batch.slots) else batch.slots
         if self.config.sliding_window is not None:
             key_pos = cache.positions[batch.slots, :key_len]
             window = (batch.position_ids[:, :, None] - key_pos[:, None, :]) < self.config.sliding_window

@@ -155,7 +155,7 @@ class WhisperSelfAttention(nn.Module):
         bsz, t, _ = x.shape
         q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
         cache.write(self.layer, batch.slots, batch.write_index, k, v)
-        keys, values = cache.read(self.layer, batch.slots, key_len)
+        keys, values = cache.read(self.layer, batch.read_slots, key_len)
         want = self.layer in batch.attention_layers
         out, probs = tree_attention(q, keys, values, mask, self.head_dim**-0.5, return_probs=want)
         return self.out_proj(out.transpose(1, 2).reshape(bsz, t, -1)), probs
@@ -330,6 +330,7 @@ class WhisperDecoder(nn.Module):
         x = x.to(self.dtype) + dec.embed_positions(batch.position_ids)
         key_len = batch.attn_mask.shape[-1]
         cache.positions[batch.slots[:, None], batch.write_index] = batch.position_ids
+        batch.read_slots = None if cache.covers_all_slots(batch.slots) else batch.slots
         enc_len, enc_mask = self._encoder_mask(cache, batch.slots)
         probs: dict[int, torch.Tensor] = {}
         for layer in dec.layers:
