@@ -117,10 +117,16 @@ class TokenTree:
         self.parent_proposals[parent].append((idx, proposal))
         return idx
 
-    def add_path(self, tokens: list[int], proposal: Proposal = DETERMINISTIC, parent: int = 0) -> list[int]:
-        """Add a chain of tokens below ``parent``; returns the node indices."""
+    def add_path(self, tokens: list[int], proposal: Proposal = DETERMINISTIC, parent: int = 0,
+                 max_nodes: int | None = None) -> list[int]:
+        """Add a chain of tokens below ``parent``; returns the node indices.
+
+        With ``max_nodes`` the chain stops where a new node would grow the tree past that size (a prefix already
+        in the tree is still walked, and its nodes record the proposal)."""
         out = []
         for t in tokens:
+            if max_nodes is not None and len(self.tokens) >= max_nodes and self.child(parent, t) is None:
+                break
             parent = self.add(parent, t, proposal)
             out.append(parent)
         return out

@@ -57,10 +57,6 @@ class NgramDrafter(Drafter):
             depth = min(inp.max_depth, self.max_depth)
             if depth > 0 and inp.node_budget > 1:
                 for cont in self.continuations(inp.context, depth):
-                    parent = 0
-                    for tok in cont:
-                        if len(tree) >= inp.node_budget and tree.child(parent, tok) is None:
-                            break
-                        parent = tree.add(parent, tok, self._proposal)
+                    tree.add_path(cont, self._proposal, max_nodes=inp.node_budget)
             trees.append(tree)
         return trees

@@ -77,11 +77,7 @@ class TemporalDrafter(Drafter):
             tree = TokenTree(inp.context[-1])
             depth = min(inp.max_depth, self.max_depth, inp.node_budget - 1)
             for _, cont in self.continuations(inp.request_id, inp.context, depth):
-                parent = 0
-                for tok in cont:
-                    if len(tree) >= inp.node_budget and tree.child(parent, tok) is None:
-                        break
-                    parent = tree.add(parent, tok, self._proposal)
+                tree.add_path(cont, self._proposal, max_nodes=inp.node_budget)
             trees.append(tree)
         return trees
 
