@@ -86,7 +86,6 @@ class Request:
         eos_token_ids: tokens that end the output (included in it).
         speculate: False decodes one token per target step.
         qos, deadline_s: QoS class and absolute deadline (monotonic seconds) for QoS schedulers.
-        prefix_embeds_key: opaque key of precomputed input embeddings (VLM visual tokens) held by the executor.
         draft_prompt_ids: the prompt as text-only drafters see it (a VLM prompt without its image tokens);
             None = ``prompt_ids``.
         visual_span: ``[start, end)`` prompt positions of the visual tokens: the target's attention mass on
@@ -107,7 +106,6 @@ class Request:
     qos: str = "interactive"
     deadline_s: float | None = None
     arrival_s: float = field(default_factory=time.monotonic)
-    prefix_embeds_key: str | None = None
     draft_prompt_ids: list[int] | None = None
     visual_span: tuple[int, int] | None = None
     encodes: tuple[EncodeItem, ...] = ()

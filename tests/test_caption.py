@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-import media
 from specstream.pipeline.caption_job import run_caption_job
 from specstream.pipeline.defaults import default_caption_models
 
@@ -52,16 +51,6 @@ def oracle(models):
     generate.proc = proc
     generate.text = text
     return generate
-
-
-@pytest.fixture(scope="module")
-def src():
-    return media.sources()
-
-
-@pytest.fixture(scope="module")
-def clips(tmp_path_factory):
-    return media.clips(tmp_path_factory)
 
 
 def test_main_job_on_registry_media(tmp_path, src, oracle):

@@ -23,16 +23,6 @@ from specstream.stages.keyframes import (
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="session")
-def clips(tmp_path_factory):
-    return media.clips(tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def src():
-    return media.sources()
-
-
 def _times(run) -> list[float]:
     return [k.timestamp_s for k in run]
 

@@ -25,16 +25,6 @@ from specstream.modalities.video import VideoDecodeSession, decode_frames, iter_
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="session")
-def clips(tmp_path_factory):
-    return media.clips(tmp_path_factory)
-
-
-@pytest.fixture(scope="session")
-def src():
-    return media.sources()
-
-
 def _ffmpeg_rgb(path, n: int, w: int, h: int) -> np.ndarray:
     """Frame ``n`` of ``path`` as RGB decoded by the ffmpeg CLI (an independent reference)."""
     out = subprocess.run(

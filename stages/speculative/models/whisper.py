@@ -133,8 +133,8 @@ class WhisperKVCache(KVCache):
         self.enc_lengths[slot] = 0
 
 
-class WhisperSelfAttention(nn.Module):
-    """Masked self-attention over the slot's cache columns (tree masks come from the caller)."""
+class _WhisperAttention(nn.Module):
+    """Whisper's attention projections (HF names; the key has no bias) and the head split."""
 
     def __init__(self, cfg: WhisperDecoderConfig, layer: int):
         super().__init__()
@@ -151,6 +151,10 @@ class WhisperSelfAttention(nn.Module):
         bsz, t, _ = x.shape
         return x.view(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
 
+
+class WhisperSelfAttention(_WhisperAttention):
+    """Masked self-attention over the slot's cache columns (tree masks come from the caller)."""
+
     def forward(self, x, cache: WhisperKVCache, batch: ForwardBatch, key_len: int, mask: torch.Tensor):
         bsz, t, _ = x.shape
         q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
@@ -161,19 +165,8 @@ class WhisperSelfAttention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(bsz, t, -1)), probs
 
 
-class WhisperCrossAttention(nn.Module):
+class WhisperCrossAttention(_WhisperAttention):
     """Attention of decoder tokens to the slot's encoder output (keys/values precomputed per slot)."""
-
-    def __init__(self, cfg: WhisperDecoderConfig, layer: int):
-        super().__init__()
-        self.layer = layer
-        self.num_heads = cfg.decoder_attention_heads
-        self.head_dim = cfg.head_dim
-        d = cfg.d_model
-        self.q_proj = nn.Linear(d, d, bias=True)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=True)
-        self.out_proj = nn.Linear(d, d, bias=True)
 
     def project(self, encoder_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[num_heads, S_enc, head_dim]`` of ``encoder_hidden`` ``[S_enc, d_model]``."""
