@@ -282,12 +282,11 @@ class Captioner:
                                            token_budget=max(4096, num_slots * (full + 1)),
                                            max_nodes_per_request=full, max_tree_depth=tree.depth))
         self.engine = SpeculativeEngine(dec, drafters, EngineConfig(num_slots=num_slots, max_len=max_len,
-                                                                     tree=tree, max_nodes_per_request=full),
+                                                                     tree=tree, max_nodes_per_request=full,
+                                                                     visual_aware=visual_aware),
                                         self.vlm.eos_token_ids, scheduler=scheduler)
-        ex = self.engine.executor
-        ex.visual_aware = visual_aware
         self.export_attention = attention_maps or visual_aware
-        ex.encoders["image"] = self._encode
+        self.engine.executor.encoders["image"] = self._encode
         self._media: dict[str, tuple[str, Any]] = {}
         self._ids = itertools.count()
 

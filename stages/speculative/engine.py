@@ -45,6 +45,8 @@ class EngineConfig:
         max_nodes_per_request: largest tree granted (root included); default: the tree's full size.
         token_budget: tree nodes + prefill tokens verified per step across the batch.
         adaptive: shrink trees of requests with low recent acceptance.
+        visual_aware: shrink trees where a VLM target attends strongly to the image (requests with a visual span).
+        attention_layers: layers whose attention on visual tokens is exported (None: the second half).
         ngram: add the n-gram (prompt lookup) drafter.
     """
 
@@ -55,6 +57,8 @@ class EngineConfig:
     token_budget: int = 8192
     adaptive: bool = True
     ngram: bool = False
+    visual_aware: bool = False
+    attention_layers: tuple[int, ...] | None = None
 
 
 class SpeculativeEngine:
@@ -72,7 +76,9 @@ class SpeculativeEngine:
             [self.config.tree.num_nodes()] + [9 for d in drafters if isinstance(d, NgramDrafter)]
         )
         self.executor = SpeculativeExecutor(target, drafters, self.config.num_slots, self.max_len, full_nodes=full,
-                                            adaptive=self.config.adaptive)
+                                            adaptive=self.config.adaptive,
+                                            attention_layers=self.config.attention_layers,
+                                            visual_aware=self.config.visual_aware)
         self.scheduler = scheduler or FifoScheduler(self.config.num_slots, self.max_len, max_nodes_per_request=full,
                                                     token_budget=self.config.token_budget)
         self.eos_token_ids = tuple(eos_token_ids)
