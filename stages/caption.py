@@ -283,7 +283,10 @@ class Captioner:
                                            max_nodes_per_request=full, max_tree_depth=tree.depth))
         self.engine = SpeculativeEngine(dec, drafters, EngineConfig(num_slots=num_slots, max_len=max_len,
                                                                      tree=tree, max_nodes_per_request=full,
-                                                                     visual_aware=visual_aware),
+                                                                     visual_aware=visual_aware,
+                                                                     # results are idempotent by (id, seq): a
+                                                                     # redelivered frame must repeat its stats
+                                                                     cost_aware=False),
                                         self.vlm.eos_token_ids, scheduler=scheduler)
         self.export_attention = attention_maps or visual_aware
         self.engine.executor.encoders["image"] = self._encode

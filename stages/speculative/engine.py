@@ -46,6 +46,8 @@ class EngineConfig:
         token_budget: tree nodes + prefill tokens verified per step across the batch.
         adaptive: shrink trees of requests with low recent acceptance.
         visual_aware: shrink trees where a VLM target attends strongly to the image (requests with a visual span).
+        cost_aware: weigh acceptance against the measured draft/verify time (faster, but tree sizes and so the
+            stats then depend on timing; off where results must repeat identically, e.g. Kafka redeliveries).
         attention_layers: layers whose attention on visual tokens is exported (None: the second half).
         ngram: add the n-gram (prompt lookup) drafter.
     """
@@ -58,6 +60,7 @@ class EngineConfig:
     adaptive: bool = True
     ngram: bool = False
     visual_aware: bool = False
+    cost_aware: bool = True
     attention_layers: tuple[int, ...] | None = None
 
 
@@ -79,6 +82,7 @@ class SpeculativeEngine:
                                             adaptive=self.config.adaptive,
                                             attention_layers=self.config.attention_layers,
                                             visual_aware=self.config.visual_aware)
+        self.executor.cost_aware = self.config.cost_aware
         self.scheduler = scheduler or FifoScheduler(self.config.num_slots, self.max_len, max_nodes_per_request=full,
                                                     token_budget=self.config.token_budget)
         self.eos_token_ids = tuple(eos_token_ids)
