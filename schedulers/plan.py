@@ -95,6 +95,9 @@ class Request:
             and resumes by prefilling ``prompt_ids + output_ids`` (:attr:`PrefillWork.tokens`).
         logits_processors: per-request rules applied to every verified logits row along that row's own token
             path, before argmax / sampling (:mod:`specstream.stages.speculative.logits`; objects, no tensors).
+        logprobs: also return each committed token's log-probability under the target (natural log, after the
+            logits processors; after the warpers for sampled requests) in :attr:`output_logprobs` (vLLM's
+            ``logprobs=0``). Speculation does not change them: a token's row is the one that verified it.
     """
 
     request_id: str
@@ -110,10 +113,12 @@ class Request:
     visual_span: tuple[int, int] | None = None
     encodes: tuple[EncodeItem, ...] = ()
     logits_processors: tuple = ()
+    logprobs: bool = False
     # state
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: dict | None = None
     requested_nodes: int = 1
@@ -234,6 +239,7 @@ class RequestStepResult:
     draft_s: float = 0.0
     verify_s: float = 0.0
     visual_attention: tuple = ()  # per committed token: numpy [n_visual] mean attention over heads/layers
+    logprobs: tuple[float, ...] = ()  # per committed token, when the request asked (Request.logprobs)
 
 
 @dataclass(frozen=True)
@@ -263,6 +269,7 @@ def book_step_result(req: Request, res: RequestStepResult, now: float | None = N
     Returns True when the request finished in this step (EOS, length or error).
     """
     req.output_ids.extend(res.new_tokens)
+    req.output_logprobs.extend(res.logprobs)
     req.stats.committed += len(res.new_tokens)
     req.stats.target_steps += 1
     req.stats.draft_s += res.draft_s

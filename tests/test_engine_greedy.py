@@ -239,3 +239,26 @@ def test_prompt_holding_the_pad_id_and_eos_matches_hf(tiny, hf_target):
     eng7 = SpeculativeEngine.from_checkpoints(tiny.with_eos(7), [tiny.same], config=EngineConfig(num_slots=1))
     out = eng7.generate([eos_prompt], 16)[0]
     assert out.output_ids == hf_greedy(hf_target, eos_prompt, 16, eos=7)
+
+
+@pytest.mark.parametrize("drafts,ngram", [((), False), (("same",), False), (("noisy",), True)],
+                         ids=["none", "same", "noisy+ngram"])
+def test_logprobs_equal_hf_log_softmax_with_and_without_drafts(tiny, hf_target, references, drafts, ngram):
+    """``Request.logprobs``: each committed token's log-probability equals HF's log-softmax of its scores
+    (within 1e-4), whichever tree row verified it; requests without the flag get none."""
+    eng = engine(tiny, list(drafts), ngram, adaptive=False)
+    prompts = PROMPTS[:4] + REPETITIVE[:1]
+    reqs = [eng.add_request(eng.make_request(p, 12, logprobs=True)) for p in prompts]
+    plain = eng.add_request(eng.make_request(PROMPTS[4], 12))
+    eng.run()
+    for p, req in zip(prompts, reqs):
+        assert req.output_ids == references[tuple(p)][:12]
+        with torch.no_grad():
+            logits = hf_target(torch.tensor([p + req.output_ids])).logits[0, len(p) - 1:-1].double()
+        want = logits.log_softmax(-1).gather(1, torch.tensor(req.output_ids)[:, None])[:, 0]
+        assert len(req.output_logprobs) == 12
+        assert torch.allclose(torch.tensor(req.output_logprobs, dtype=torch.float64), want, atol=1e-4), \
+            (req.output_logprobs, want.tolist())
+    assert plain.output_logprobs == [] and len(plain.output_ids) == 12
+    if drafts == ("same",):
+        assert reqs[0].stats.mean_accepted > 3  # the values came from tree rows, not only prefill rows

@@ -140,3 +140,25 @@ def test_chi_square_detects_a_wrong_distribution(joint):
         key = cells[d][:2]
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_p(counts, marginal(joint, (0, 1)), N) < 1e-6
+
+
+def test_sampled_logprobs_are_the_warped_target_distribution(vocab8):
+    """``Request.logprobs`` for sampled requests: log of the target's warped distribution at the sampled token,
+    for tokens accepted from a tree as well as bonus tokens."""
+    from transformers import AutoModelForCausalLM
+
+    target, draft = vocab8
+    cfg = EngineConfig(num_slots=64, max_len=32, tree=TreeSpec.parse("2,2"), adaptive=False)
+    eng = SpeculativeEngine.from_checkpoints(target, [draft], ngram=False, config=cfg)
+    reqs = [eng.add_request(eng.make_request(PROMPT, 6, SamplingParams("sample", PARAMS.temperature, PARAMS.top_k,
+                                                                       PARAMS.top_p, seed=i), logprobs=True))
+            for i in range(64)]
+    eng.run()
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    assert sum(sum(r.stats.accepted_per_step) for r in reqs) > 20
+    for r in reqs:
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + r.output_ids])).logits[0, len(PROMPT) - 1:-1]
+        probs = target_probs(logits, PARAMS).double()
+        want = probs.gather(1, torch.tensor(r.output_ids)[:, None])[:, 0].log()
+        assert torch.allclose(torch.tensor(r.output_logprobs, dtype=torch.float64), want, atol=1e-4)

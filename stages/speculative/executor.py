@@ -334,15 +334,19 @@ class SpeculativeExecutor:
             self.cache.compact(row.slot, row.prefix, [row.prefix + i for i in result.path[:keep]])
             for d in self.drafters:
                 d.observe(req.request_id, row.tree, result.path[:keep], new)
+        # the logits row that predicted committed token k: the prompt's last row (prefill) or path node k (tree)
+        src = [len(row.tokens) - 1] if is_prefill else list(result.path)
         vis: tuple = ()
         if visual is not None:
-            # the row that predicted committed token k: the prompt's last row (prefill) or path node k (tree)
-            src = [len(row.tokens) - 1] if is_prefill else list(result.path)
             vis = tuple(visual[src[k]] for k in range(min(len(new), len(src))))
+        lps = ()
+        if req.logprobs:  # logits rows are the row's logit_rows: a prefill has only its last
+            lrows = [len(row.logit_rows) - 1] if is_prefill else list(result.path)
+            lps = self._logprobs(logits, dist, lrows[:len(new)], new)
         if reason is not None:
             self.release(req.request_id, row.slot)  # finished: nothing of it stays cached
             return RequestStepResult(req.request_id, tuple(new), num_accepted, is_prefill, reason, None, 1,
-                                     visual_attention=vis)
+                                     visual_attention=vis, logprobs=lps)
         requested = 1
         if req.speculate and self.drafters:
             budget = self._budget(req.request_id)
@@ -356,4 +360,16 @@ class SpeculativeExecutor:
                 if mass > self.visual_mass_threshold:
                     requested = max(2, int(round(requested * (1.0 - mass))))
         return RequestStepResult(req.request_id, tuple(new), num_accepted, is_prefill, reason, None, requested,
-                                 visual_attention=vis)
+                                 visual_attention=vis, logprobs=lps)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, dist: torch.Tensor, rows: list[int], tokens: list[int]) -> tuple[float, ...]:
+        """Log-probability of ``tokens[k]`` at logits row ``rows[k]``: log-softmax of the processed logits
+        ``[R, V]`` (greedy: ``dist`` holds argmax ids), or the log of the target distribution ``dist [R, V]``
+        (sampled)."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        tok = torch.tensor(tokens, dtype=torch.long)
+        if dist.ndim == 2:  # sampled: the warped target distribution
+            return tuple(float(x) for x in torch.log(dist[idx, tok].clamp_min(1e-300)))
+        sel = logits[idx].float()
+        return tuple(float(x) for x in (sel.gather(1, tok[:, None])[:, 0] - torch.logsumexp(sel, -1)))
