@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -112,6 +113,8 @@ class SpeechModel:
         self.num_mel_bins = int(checkpoint.config.get("num_mel_bins", 80))
         self.multilingual = decoder.config.vocab_size >= 51865
         self.max_target_positions = decoder.config.max_position_embeddings
+        self._probe_cache = None  # the no-speech probe's one-slot decoder cache, reused
+        self._probe_lock = threading.Lock()
 
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, dtype: str = "float32", device: str = "cpu") -> "SpeechModel":
@@ -253,22 +256,30 @@ class SpeechModel:
         return out
 
     @torch.inference_mode()
-    def no_speech_prob(self, encoder_output: torch.Tensor) -> float:
-        """Probability of ``<|nospeech|>`` after ``<|startoftranscript|>`` (Whisper's silence detector)."""
+    def no_speech_prob(self, encoder_output) -> float:
+        """Probability of ``<|nospeech|>`` after ``<|startoftranscript|>`` (Whisper's silence detector).
+
+        Args:
+            encoder_output: ``[S_enc, d_model]``, or its :class:`~specstream.stages.speculative.models.whisper.CrossKV`
+                (then the cross-attention projection is not repeated).
+        """
         if self.tokens.no_speech is None:
             return 0.0
-        cache = self.decoder.new_cache(1, 2)
-        self.decoder.set_encoder_output(cache, 0, encoder_output)
-        dev = self.decoder.device
-        batch = ForwardBatch(
-            slots=torch.zeros(1, dtype=torch.long, device=dev),
-            input_ids=torch.tensor([[self.tokens.sot]], device=dev),
-            position_ids=torch.zeros((1, 1), dtype=torch.long, device=dev),
-            write_index=torch.zeros((1, 1), dtype=torch.long, device=dev),
-            attn_mask=torch.ones((1, 1, 1), dtype=torch.bool, device=dev),
-        )
-        logits, _ = self.decoder.forward_batch(cache, batch)
-        return float(torch.softmax(logits[0, -1], -1)[self.tokens.no_speech])
+        with self._probe_lock:
+            if self._probe_cache is None:
+                self._probe_cache = self.decoder.new_cache(1, 2)
+            cache = self._probe_cache
+            self.decoder.set_encoder_output(cache, 0, encoder_output)
+            dev = self.decoder.device
+            batch = ForwardBatch(
+                slots=torch.zeros(1, dtype=torch.long, device=dev),
+                input_ids=torch.tensor([[self.tokens.sot]], device=dev),
+                position_ids=torch.zeros((1, 1), dtype=torch.long, device=dev),
+                write_index=torch.zeros((1, 1), dtype=torch.long, device=dev),
+                attn_mask=torch.ones((1, 1, 1), dtype=torch.bool, device=dev),
+            )
+            logits, _ = self.decoder.forward_batch(cache, batch)
+            return float(torch.softmax(logits[0, -1], -1)[self.tokens.no_speech])
 
 
 def make_drafters(spec: str) -> list[Drafter]:

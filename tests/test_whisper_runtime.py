@@ -143,6 +143,31 @@ def test_shorter_encoder_output_is_masked(models):
     assert torch.allclose(logits[1], _hf_logits(hf, enc, ids[1].tolist()), atol=ATOL, rtol=0)
 
 
+def test_projected_cross_kv_equals_projecting_per_slot(models):
+    """``project`` (a batch of encoder outputs, once) then ``set_encoder_output(CrossKV)`` gives the same keys,
+    values and logits as projecting in ``set_encoder_output``; shorter outputs keep their length."""
+    hf, ours, encoder = models
+    with torch.no_grad():
+        enc = encoder(_features(4)).last_hidden_state
+    batch2 = torch.cat([enc, enc.flip(1)])
+    kvs = ours.project(batch2)
+    assert len(kvs) == 2 and kvs[0].k.shape[:3] == (len(ours.model.decoder.layers), ours.config.decoder_attention_heads,
+                                                    enc.shape[1])
+    a, b = ours.new_cache(2, 16), ours.new_cache(2, 16)
+    for slot in (0, 1):
+        ours.set_encoder_output(a, slot, batch2[slot])
+        ours.set_encoder_output(b, slot, kvs[slot])
+    assert torch.equal(a.cross_k, b.cross_k) and torch.equal(a.cross_v, b.cross_v) and a.enc_lengths == b.enc_lengths
+    ids = torch.tensor([[50257, 50362, 1000]] * 2)
+    pos = torch.arange(3).repeat(2, 1)
+    mask = torch.ones(3, 3, dtype=torch.bool).tril().repeat(2, 1, 1)
+    logits, _ = ours.forward_batch(b, ForwardBatch(torch.tensor([0, 1]), ids, pos, pos.clone(), mask))
+    assert torch.allclose(logits[0], _hf_logits(hf, enc, ids[0].tolist()), atol=ATOL, rtol=0)
+    short = ours.project(enc[:, :20])[0]
+    ours.set_encoder_output(b, 0, short)
+    assert b.enc_lengths[0] == 20
+
+
 def test_forward_without_encoder_output_raises(models):
     _, ours, _ = models
     cache = ours.new_cache(1, 8)

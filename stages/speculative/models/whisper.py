@@ -165,6 +165,25 @@ class WhisperSelfAttention(_WhisperAttention):
         return self.out_proj(out.transpose(1, 2).reshape(bsz, t, -1)), probs
 
 
+@dataclass(frozen=True)
+class CrossKV:
+    """One encoder output projected by every decoder layer's cross-attention (:meth:`WhisperDecoder.project`).
+
+    ``set_encoder_output`` copies it into a slot instead of projecting again, so an encoder output that several
+    decoder passes use (the request and Whisper's no-speech probe) is projected once.
+
+    Attributes:
+        k, v: ``[num_layers, num_heads, S_enc, head_dim]``.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[2])
+
+
 class WhisperCrossAttention(_WhisperAttention):
     """Attention of decoder tokens to the slot's encoder output (keys/values precomputed per slot)."""
 
@@ -265,17 +284,49 @@ class WhisperDecoder(nn.Module):
         return self.model.decoder.embed_tokens(input_ids)
 
     @torch.inference_mode()
-    def set_encoder_output(self, cache: WhisperKVCache, slot: int, encoder_hidden: torch.Tensor) -> None:
+    def project(self, encoder_hidden: torch.Tensor) -> list[CrossKV]:
+        """Cross-attention keys/values of a batch of encoder outputs ``[B, S_enc, d_model]`` (one batched
+        projection per layer).
+
+        Raises:
+            ValueError: wrong shape.
+        """
+        if encoder_hidden.ndim == 2:
+            encoder_hidden = encoder_hidden[None]
+        if encoder_hidden.ndim != 3 or encoder_hidden.shape[2] != self.config.d_model:
+            raise ValueError(f"encoder outputs must be [B, S_enc, {self.config.d_model}], "
+                             f"got {tuple(encoder_hidden.shape)}")
+        enc = encoder_hidden.to(device=self.device, dtype=self.dtype)
+        b, s, _ = enc.shape
+        ks, vs = [], []
+        for layer in self.model.decoder.layers:
+            att = layer.encoder_attn
+            ks.append(att.k_proj(enc).view(b, s, att.num_heads, att.head_dim).transpose(1, 2))
+            vs.append(att.v_proj(enc).view(b, s, att.num_heads, att.head_dim).transpose(1, 2))
+        k, v = torch.stack(ks, 1), torch.stack(vs, 1)  # [B, L, H, S, Dh]
+        return [CrossKV(k[i], v[i]) for i in range(b)]
+
+    @torch.inference_mode()
+    def set_encoder_output(self, cache: WhisperKVCache, slot: int, encoder_hidden: torch.Tensor | CrossKV) -> None:
         """Project one request's encoder output into ``slot``'s cross-attention keys/values.
 
         Args:
             cache: this decoder's cache.
             slot: the request's KV cache slot.
-            encoder_hidden: ``[S_enc, d_model]`` (or ``[1, S_enc, d_model]``), ``S_enc <= max_source_positions``.
+            encoder_hidden: ``[S_enc, d_model]`` (or ``[1, S_enc, d_model]``), ``S_enc <= max_source_positions``;
+                or its :class:`CrossKV` from :meth:`project` (copied, not projected again).
 
         Raises:
             ValueError: wrong shape or too long.
         """
+        if isinstance(encoder_hidden, CrossKV):
+            s = encoder_hidden.length
+            if not 0 < s <= cache.max_source_len:
+                raise ValueError(f"encoder output of {s} frames does not fit the cache ({cache.max_source_len})")
+            cache.cross_k[:, slot, :, :s] = encoder_hidden.k
+            cache.cross_v[:, slot, :, :s] = encoder_hidden.v
+            cache.enc_lengths[slot] = s
+            return
         if encoder_hidden.ndim == 3 and encoder_hidden.shape[0] == 1:
             encoder_hidden = encoder_hidden[0]
         if encoder_hidden.ndim != 2 or encoder_hidden.shape[1] != self.config.d_model:
