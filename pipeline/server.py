@@ -65,6 +65,10 @@ class ServerSettings(BaseSettings):
         caption_target, caption_draft: caption checkpoints (None: the built-in tiny untrained models).
         speech_slots: engine slots for subtitle windows.
         min_hop_s: least audio between decoding passes of a stream.
+        agree_span_s: the commit policy's agreement span (``StreamConfig.agree_span_s``): the latency/accuracy
+            trade-off of finals. 0 is LocalAgreement-2 (lowest latency); longer spans commit only readings that
+            stayed the same over that much more audio (see the table in ``docs/benchmarks.md``).
+        confident_prob: ``StreamConfig.confident_prob`` (1.0: off).
     """
 
     model_config = SettingsConfigDict(env_prefix="SPECSTREAM_", extra="ignore")
@@ -88,6 +92,8 @@ class ServerSettings(BaseSettings):
     caption_draft: str | None = None
     speech_slots: int = 16
     min_hop_s: float = 0.5
+    agree_span_s: float = 2.5
+    confident_prob: float = 1.0
 
 
 class StartMessage(BaseModel):
@@ -179,7 +185,8 @@ class SubtitleSession:
         from specstream.stages.streaming import StreamConfig, StreamingRecognizer
 
         s = self.settings
-        self.recognizer = StreamingRecognizer(self.state.speech, StreamConfig(min_hop_s=s.min_hop_s))
+        config = StreamConfig(min_hop_s=s.min_hop_s, agree_span_s=s.agree_span_s, confident_prob=s.confident_prob)
+        self.recognizer = StreamingRecognizer(self.state.speech, config)
         sender = asyncio.create_task(self._sender())
         worker = asyncio.create_task(self._worker())
         self._receiver_task = asyncio.create_task(self._receiver(worker))
@@ -347,6 +354,7 @@ class AppState:
         self.settings = settings
         self.registry = CollectorRegistry()
         self.scheduler_metrics = SchedulerMetrics(self.registry)
+        self.caption_metrics = SchedulerMetrics(self.registry, prefix="specstream_caption_scheduler_")
         self.metrics = ServerMetrics(self.registry)
         self.speech = speech
         self.sessions = 0
@@ -387,6 +395,7 @@ class AppState:
                 drafts = [self.settings.caption_draft]
             self._captioner = Captioner(target, drafts, TreeSpec.parse("1,1,3,1,1,1,1,1"), temporal=True,
                                         visual_aware=True, num_slots=8)
+            self._captioner.engine.scheduler.metrics = self.caption_metrics
         return self._captioner
 
 
@@ -568,7 +577,7 @@ async def _run_captions(state: AppState, path: str, prompt: str, max_new_tokens:
 
 
 def serve_main(argv: list[str]) -> int:
-    """``specstream serve [--host H] [--port P] [--api-key K ...] [--allowed-root DIR ...]``."""
+    """``specstream serve [--host H] [--port P] [--api-key K ...] [--allowed-root DIR ...] [--agree-span-s S]``."""
     parser = argparse.ArgumentParser(prog="specstream serve",
                                      description="HTTP + WebSocket API: live subtitles, captions, health, metrics. "
                                                  "Settings also come from SPECSTREAM_* environment variables.")
@@ -576,6 +585,9 @@ def serve_main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=None, help="port (default 8000)")
     parser.add_argument("--api-key", action="append", default=None, help="accepted API key (repeatable)")
     parser.add_argument("--allowed-root", action="append", default=None, help="directory source_uri may use")
+    parser.add_argument("--agree-span-s", type=float, default=None,
+                        help="commit policy: finals wait until readings agree over this much audio (default 2.5; "
+                             "0 = LocalAgreement-2, lowest latency; longer = fewer errors, later finals)")
     parser.add_argument("--log-level", default="info")
     try:
         args = parser.parse_args(argv)
@@ -592,6 +604,8 @@ def serve_main(argv: list[str]) -> int:
         over["api_keys"] = args.api_key
     if args.allowed_root:
         over["allowed_roots"] = [Path(p) for p in args.allowed_root]
+    if args.agree_span_s is not None:
+        over["agree_span_s"] = args.agree_span_s
     settings = ServerSettings(**over)
     uvicorn.run(create_app(settings), **uvicorn_options(settings), log_level=args.log_level)
     return 0

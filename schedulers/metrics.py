@@ -21,12 +21,15 @@ class SchedulerMetrics:
     Args:
         registry: where to register; a new :class:`CollectorRegistry` by default (so several schedulers, e.g. in
             tests and benchmarks, never collide in the global one).
+        prefix: metric name prefix; two engines in one registry need different ones (the server exports the
+            speech engine as ``specstream_scheduler_*`` and the caption engine as
+            ``specstream_caption_scheduler_*``).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, prefix: str = "specstream_scheduler_"):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        p = "specstream_scheduler_"
+        p = prefix
         self.queue_depth = Gauge(p + "queue_depth", "Requests queued (encode pending or waiting for a slot)",
                                  ["qos"], registry=r)
         self.queue_wait = Histogram(p + "queue_wait_seconds", "Arrival (or preemption) to (re)admission",
