@@ -12,9 +12,13 @@ Protocol (child -> parent), each message a tuple whose first item names it:
   ``[h, w, 3]`` uint8 RGB, already rotated for display.
 - ``("end", num_frames)``: the proxy pass finished; the child then waits for commands.
 - ``("full", [(timestamp_s, image), ...])``: reply to a ``("decode", [timestamp_s, ...])`` command.
+- ``("full_frame", timestamp_s, image)`` per frame, then ``("full_end",)``: reply to ``("decode_stream", [...])``.
+  The child blocks on each send until the parent reads (the pipe holds about one message), so a slow consumer
+  holds at most one full-resolution frame in flight instead of all of them.
 - ``("error", code, message)``: a typed failure (codes of `specstream.errors`); the child then exits.
 
-Commands (parent -> child) after ``end``: ``("decode", [timestamp_s, ...])`` and ``("close",)``.
+Commands (parent -> child) after ``end``: ``("decode", [timestamp_s, ...])``, ``("decode_stream", [...])`` and
+``("close",)``.
 
 Timestamps: ``timestamp_s = (pts - start_pts) * time_base`` computed exactly from integers (correctly rounded),
 where ``start_pts`` is the stream's start time (or the first frame's PTS when the container has none).
@@ -27,7 +31,7 @@ import os
 import time
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -346,7 +350,13 @@ def _key_times(path: str, p: Probe) -> list[float]:
 
 
 def decode_full(path: str, p: Probe, timestamps_s: list[float]) -> list[tuple[float, np.ndarray]]:
-    """Decode the frames presented at ``timestamps_s`` at full resolution (display orientation).
+    """All frames of :func:`iter_full` as one list."""
+    return list(iter_full(path, p, timestamps_s))
+
+
+def iter_full(path: str, p: Probe, timestamps_s: list[float]) -> Iterator[tuple[float, np.ndarray]]:
+    """Decode the frames presented at ``timestamps_s`` at full resolution (display orientation), yielding
+    ``(timestamp_s, image)`` in time order as each is decoded.
 
     Each target gets the first frame whose timestamp is >= target - 1 us. Targets are visited in time order in
     one forward pass; it seeks only when a key packet lies between the decoding position and the next target
@@ -354,10 +364,9 @@ def decode_full(path: str, p: Probe, timestamps_s: list[float]) -> list[tuple[fl
     """
     import av
 
-    out: list[tuple[float, np.ndarray]] = []
     targets = sorted(set(float(t) for t in timestamps_s))
     if not targets:
-        return out
+        return
     keys = _key_times(path, p)
     container, stream = open_video(path)
     stream.thread_type = "AUTO"
@@ -388,12 +397,11 @@ def decode_full(path: str, p: Probe, timestamps_s: list[float]) -> list[tuple[fl
                     break
             if found is None:
                 raise WorkerError("corrupt_media", f"no frame at or after {target:.6f} s in {path}")
-            out.append(found)
+            yield found
     except av.error.FFmpegError as exc:
         raise WorkerError("corrupt_media", f"full-resolution decode failed: {exc}") from exc
     finally:
         container.close()
-    return out
 
 
 def proxy_session(conn, path: str, long_side: int, backend: str, skip: int) -> None:
@@ -426,6 +434,10 @@ def proxy_session(conn, path: str, long_side: int, backend: str, skip: int) -> N
             cmd = conn.recv()
             if cmd[0] == "decode":
                 conn.send(("full", decode_full(path, p, list(cmd[1]))))
+            elif cmd[0] == "decode_stream":
+                for ts, img in iter_full(path, p, list(cmd[1])):
+                    conn.send(("full_frame", ts, img))
+                conn.send(("full_end",))
             else:
                 break
     except WorkerError as exc:

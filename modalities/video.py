@@ -288,6 +288,32 @@ class VideoDecodeSession:
             _raise(msg[1], msg[2])
         return [img for _, img in msg[1]]
 
+    def iter_full(self, timestamps_s: Sequence[float]) -> Iterator[np.ndarray]:
+        """:meth:`decode_full` one frame at a time: the child decodes the next frame only while the previous
+        one is being consumed (it blocks on the pipe), so a slow consumer never holds more than about two
+        full-resolution frames. Same order, errors and preconditions as :meth:`decode_full`; frames yielded
+        before an error stand."""
+        if not self._ended or self._conn is None:
+            raise RuntimeError("iter_full() needs a finished proxy_frames() pass on this session")
+        self._conn.send(("decode_stream", [float(t) for t in timestamps_s]))
+        while True:
+            msg = self._recv("decoding full-resolution frames")
+            if msg[0] == "full_frame":
+                try:
+                    yield msg[2]
+                except GeneratorExit:  # abandoned mid-stream: the child is still sending, it cannot serve again
+                    self._ended = False
+                    self._kill()
+                    raise
+            elif msg[0] == "full_end":
+                return
+            else:
+                self._ended = False
+                self._kill()
+                if msg[0] == "error":
+                    _raise(msg[1], msg[2])
+                raise CorruptMediaError(f"unexpected message {msg[0]!r} from the decoder of {self.path}")
+
 
 def iter_proxy_frames(
     path: str | os.PathLike,

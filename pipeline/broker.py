@@ -88,21 +88,27 @@ class InProcessBroker(Broker):
 
     Args:
         maxsize: queue bound per topic (0 = unbounded); a full queue makes ``publish`` wait (backpressure).
+        topic_maxsize: per-topic bounds that override ``maxsize`` (e.g. bound the full-resolution frames topic,
+            leave the small requests topic unbounded).
     """
 
-    def __init__(self, maxsize: int = 0):
+    def __init__(self, maxsize: int = 0, topic_maxsize: dict[str, int] | None = None):
         self._maxsize = maxsize
+        self._topic_maxsize = dict(topic_maxsize or {})
         self._queues: dict[str, asyncio.Queue] = {}
         self.published: dict[str, int] = {}
+        self.max_depth: dict[str, int] = {}  # deepest each topic's queue got (messages waiting)
 
     def _queue(self, topic: str) -> asyncio.Queue:
         if topic not in self._queues:
-            self._queues[topic] = asyncio.Queue(self._maxsize)
+            self._queues[topic] = asyncio.Queue(self._topic_maxsize.get(topic, self._maxsize))
         return self._queues[topic]
 
     async def publish(self, topic, key, value, headers=None):
-        await self._queue(topic).put(Message(topic, key, value, dict(headers or {})))
+        q = self._queue(topic)
+        await q.put(Message(topic, key, value, dict(headers or {})))
         self.published[topic] = self.published.get(topic, 0) + 1
+        self.max_depth[topic] = max(self.max_depth.get(topic, 0), q.qsize())
 
     async def subscribe(self, topic):
         q = self._queue(topic)

@@ -16,6 +16,10 @@ from pathlib import Path
 from specstream.errors import UnreadableSourceError
 from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, InProcessBroker
 from specstream.pipeline.messages import PipelineRequest, PipelineResult, Source
+
+# full-resolution keyframes waiting between the keyframe and caption stages, at most; with the caption stage's
+# window (CaptionStage.max_in_flight) and one pending frame per video being decoded, this bounds the frames alive
+FRAMES_TOPIC_BOUND = 4
 from specstream.stages.caption import IMAGE_EXTS, VIDEO_EXTS, Captioner, CaptionStage, KeyframeStage
 
 
@@ -57,12 +61,18 @@ def expand_inputs(inputs: list[str]) -> list[str]:
 
 async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt: str, max_new_tokens: int,
                             max_keyframes_per_minute: float | None, attention_maps: Path | None,
-                            qos: str = "batch", progress=None) -> CaptionJobSummary:
-    """Run the graph over ``inputs``; write one JSON line per caption / failed input to ``out``."""
+                            qos: str = "batch", progress=None, broker: InProcessBroker | None = None,
+                            max_in_flight: int = 8) -> CaptionJobSummary:
+    """Run the graph over ``inputs``; write one JSON line per caption / failed input to ``out``.
+
+    ``broker``: the in-process broker to run on (default: one whose frames topic holds ``FRAMES_TOPIC_BOUND``
+    frames); ``max_in_flight``: the caption stage's window. Together they bound the full-resolution frames in
+    memory, whatever the videos' length (backpressure back to the decoding child)."""
     summary = CaptionJobSummary(inputs=len(inputs))
-    broker = InProcessBroker()
+    if broker is None:
+        broker = InProcessBroker(topic_maxsize={TOPIC_FRAMES: FRAMES_TOPIC_BOUND})
     kstage = KeyframeStage(broker)
-    cstage = CaptionStage(broker, captioner, attention_maps)
+    cstage = CaptionStage(broker, captioner, attention_maps, max_in_flight=max_in_flight)
     params = {"prompt": prompt, "max_new_tokens": max_new_tokens}
     if max_keyframes_per_minute:
         params["max_keyframes_per_minute"] = max_keyframes_per_minute

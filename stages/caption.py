@@ -107,23 +107,13 @@ def resolve_source(req: PipelineRequest, allowed_roots: list[Path] | None = None
     return str(real), uri if src.uri.startswith("file://") else path, None
 
 
-def _keyframes_blocking(path: str, max_per_minute: float | None, cancel: threading.Event | None = None
-                        ) -> tuple[list, Exception | None, Any]:
-    """Run keyframe selection to the end (or an error): (keyframes, error or None, stats).
-
-    Raises:
-        KeyframeSelectionCancelled: ``cancel`` was set (the awaiting task was cancelled, e.g. on Ctrl-C).
-    """
-    from specstream.stages.keyframes import select_keyframes
-
-    run = select_keyframes(path, max_keyframes_per_minute=max_per_minute, cancel=cancel)
-    frames, error = [], None
+def _next_keyframe(it) -> tuple[Any, Exception | None]:
+    """The next keyframe of a `KeyframeRun` iterator (blocking): ``(keyframe, None)``, ``(None, None)`` at the
+    end, or ``(None, error)`` for a typed media error (raised after the keyframes of the part that decoded)."""
     try:
-        for kf in run:
-            frames.append(kf)
+        return next(it, None), None
     except SpecstreamError as exc:
-        error = exc
-    return frames, error, run.stats
+        return None, exc
 
 
 class KeyframeStage:
@@ -197,29 +187,59 @@ class KeyframeStage:
                 await self.broker.publish(TOPIC_FRAMES, req.id, FrameTask(
                     req.id, source, "image", params, req.qos, 0, 0.0, 1.0, image, last=True))
                 return
-            cancel = threading.Event()
-            try:
-                frames, error, stats = await asyncio.to_thread(_keyframes_blocking, path,
-                                                               params.max_keyframes_per_minute, cancel)
-            except asyncio.CancelledError:
-                cancel.set()  # a thread cannot be cancelled: stop its decode loop, or Ctrl-C waits for the video
-                raise
-            self.frames_decoded += stats.frames_decoded
-            self.keyframes += len(frames)
-            for i, kf in enumerate(frames):
-                last = error is None and i == len(frames) - 1
-                await self.broker.publish(TOPIC_FRAMES, req.id, FrameTask(
-                    req.id, source, "video", params, req.qos, kf.frame_index, float(kf.timestamp_s),
-                    float(kf.scene_score), kf.image, last=last, seq=i))
+            n, error = await self._publish_keyframes(req, source, params, path)
             if error is not None:
-                await self._emit_error(req, source, params, error, seq=len(frames))
-            elif not frames:
+                await self._emit_error(req, source, params, error, seq=n)
+            elif not n:
                 await self._emit_error(req, source, params, UnsupportedMediaError(f"{source}: no frames"))
         except SpecstreamError as exc:
             await self._emit_error(req, source, params, exc)
         finally:
             if tmp:
                 os.unlink(tmp)
+
+
+    async def _publish_keyframes(self, req: PipelineRequest, source: str, params, path: str
+                                 ) -> tuple[int, Exception | None]:
+        """Select ``path``'s keyframes and publish each as it is decoded (full resolution, one at a time: the
+        frames topic's bound and the caption stage's window hold the rest back, so a long video never sits in
+        memory). A frame is published once the next one (or the end) is known, to mark the last. Returns
+        (frames published, the media error that ended the video or None)."""
+        from specstream.stages.keyframes import select_keyframes
+
+        cancel = threading.Event()
+        run = select_keyframes(path, max_keyframes_per_minute=params.max_keyframes_per_minute, cancel=cancel)
+        it = iter(run)
+        busy = threading.Lock()  # held while a worker thread advances the run
+
+        def step():
+            with busy:
+                return _next_keyframe(it)
+
+        def close():
+            with busy:  # after a running step returned: it stops within one frame once ``cancel`` is set
+                it.close()  # ends the run's decoding child (a no-op after the last keyframe)
+
+        pending, n, error = None, 0, None
+        try:
+            while True:
+                kf, error = await asyncio.to_thread(step)
+                if pending is not None:
+                    await self.broker.publish(TOPIC_FRAMES, req.id, FrameTask(
+                        req.id, source, "video", params, req.qos, pending.frame_index, float(pending.timestamp_s),
+                        float(pending.scene_score), pending.image, last=kf is None and error is None, seq=n))
+                    n += 1
+                if kf is None:
+                    break
+                pending = kf
+                self.keyframes += 1
+        finally:
+            # also on cancellation (Ctrl-C): a thread cannot be cancelled, so stop its decode loop and close the
+            # run in a thread (the default executor, which asyncio.run waits for)
+            cancel.set()
+            await asyncio.to_thread(close)
+            self.frames_decoded += run.stats.frames_decoded
+        return n, error
 
 
 @dataclass
@@ -332,10 +352,12 @@ class CaptionStage:
         chain_store: where previous captions outlive the process (``get(request_id, seq)`` -> tokens or None,
             ``put(request_id, seq, tokens)``, both async), so a frame redelivered without its predecessor in
             memory drafts from the same hypothesis and repeats an identical result. None: memory only.
+        max_in_flight: frames taken from the topic and not finished yet, at most (each holds its full-resolution
+            image); the stage stops consuming until one finishes (backpressure on the frames topic).
     """
 
     def __init__(self, broker: Broker, captioner: Captioner, attention_maps: Path | None = None,
-                 chain_store=None):
+                 chain_store=None, max_in_flight: int = 8):
         from specstream.stages.decode import EngineDriver
 
         self.broker = broker
@@ -344,20 +366,32 @@ class CaptionStage:
         self.attention_maps = attention_maps
         self.chain_store = chain_store
         self.stats = CaptionStats()
+        self.max_in_flight = max(1, int(max_in_flight))
+        self.peak_in_flight = 0
         self._chains: dict[str, tuple[asyncio.Task, int]] = {}  # request id -> (task of the newest frame, its seq)
         self._map_stems: dict[str, str] = {}  # source -> its attention maps' file-name stem (unique per source)
 
     async def run(self) -> None:
         self.driver.start()
         tasks = set()
+        window = asyncio.Semaphore(self.max_in_flight)
+        frames = self.broker.subscribe(TOPIC_FRAMES).__aiter__()
         try:
-            async for msg in self.broker.subscribe(TOPIC_FRAMES):
+            while True:
+                # a frame's predecessors were taken before it, so the oldest frames in flight can always finish
+                await window.acquire()
+                try:
+                    msg = await frames.__anext__()
+                except StopAsyncIteration:
+                    break
                 frame: FrameTask = msg.value
                 prev = self._chains.get(frame.request_id)
                 prev_task = prev[0] if prev is not None and prev[1] == frame.seq - 1 else None
                 task = asyncio.create_task(self._handle_message(msg, frame, prev_task))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
+                task.add_done_callback(lambda _: window.release())
+                self.peak_in_flight = max(self.peak_in_flight, len(tasks))
                 self._chains[frame.request_id] = (task, frame.seq)
                 if frame.last:
                     self._chains.pop(frame.request_id, None)

@@ -398,3 +398,45 @@ def test_planted_dominant_visual_key_puts_the_attention_map_maximum_on_its_patch
     redness = png[..., 0].astype(int) - png[..., 1].astype(int)
     y, x = np.unravel_index(redness.argmax(), redness.shape)
     assert (y * 8 // png.shape[0], x * 8 // png.shape[1]) == (2, 5)
+
+
+def test_long_video_is_backpressured_not_held_in_memory(models, src, tmp_path):
+    """Keyframes are decoded at full resolution one at a time and wait in a bounded frames topic: with a topic
+    of 1 and a caption window of 1, at most a handful of full-resolution frames are alive at any moment while
+    bikes' 6 scenes are captioned, and the records equal those of the default bounds."""
+    import io
+    import weakref
+
+    from specstream.pipeline.broker import TOPIC_FRAMES, InProcessBroker
+    from specstream.pipeline.caption_job import run_caption_graph
+    from specstream.stages.caption import Captioner
+
+    target, _ = models
+    captioner = Captioner(target, [], temporal=True, visual_aware=False)
+
+    class Tracking(InProcessBroker):
+        alive = 0
+        peak = 0
+
+        async def publish(self, topic, key, value, headers=None):
+            if topic == TOPIC_FRAMES and getattr(value, "image", None) is not None:
+                cls = type(self)
+                cls.alive += 1
+                cls.peak = max(cls.peak, cls.alive)
+                weakref.finalize(value.image, lambda: setattr(cls, "alive", cls.alive - 1))
+            await super().publish(topic, key, value, headers)
+
+    def run(broker, window):
+        out = io.StringIO()
+        summary = asyncio.run(run_caption_graph([src["bikes"]], captioner, out, PROMPT, 3, None, None,
+                                                broker=broker, max_in_flight=window))
+        return summary, [json.loads(line) for line in out.getvalue().splitlines()]
+
+    tight = Tracking(topic_maxsize={TOPIC_FRAMES: 1})
+    summary, records = run(tight, 1)
+    assert summary.keyframes == 6 and len(records) == 6, records
+    assert tight.max_depth[TOPIC_FRAMES] <= 1
+    # one in the topic, one being captioned, one pending in the keyframe stage, one in flight from the decoder
+    assert Tracking.peak <= 4, Tracking.peak
+    _, default = run(None, 8)
+    assert records == default

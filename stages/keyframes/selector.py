@@ -171,27 +171,33 @@ class KeyframeRun:
             self.stats.backend_notes = list(session.backend_notes)
             self.stats.duration_s = last_t
             self.stats.dropped_by_cap = selector.dropped_by_cap
-            images: list[np.ndarray | None] = [None] * len(keyframes)
+            images: Iterator = iter([None] * len(keyframes))
             if self._decode_images and keyframes:
                 stamps = [k.timestamp_s for k in keyframes]
                 if error is None:
-                    images = list(session.decode_full(stamps))
+                    # one at a time: a slow consumer holds one or two full-resolution frames, not the video's
+                    images = session.iter_full(stamps)
                 else:  # the session's child is gone: a fresh one decodes the good part
                     try:
-                        images = list(decode_frames(self.path, stamps, stall_timeout_s=self._stall))
+                        images = iter(decode_frames(self.path, stamps, stall_timeout_s=self._stall))
                     except MediaError:
-                        keyframes, images = [], []  # not even the good part decodes again: only the error
-            keyframes = [Keyframe(k.frame_index, k.timestamp_s, k.scene_score, img)
-                         for k, img in zip(keyframes, images)]
+                        keyframes, images = [], iter(())  # not even the good part decodes again: only the error
+            last = None  # embedding of the last kept keyframe (near-duplicate filter)
+            for k, img in zip(keyframes, images):
+                if self._cancel is not None and self._cancel.is_set():
+                    raise KeyframeSelectionCancelled(f"keyframe selection of {self.path} cancelled")
+                if self._dedup is not None and img is not None:
+                    emb = self._dedup.embed([img])[0]
+                    if last is not None and float(emb @ last) >= self._dedup.threshold:
+                        self.stats.dropped_as_duplicates += 1
+                        continue
+                    last = emb
+                self.stats.keyframes += 1
+                self.stats.seconds = time.perf_counter() - t0
+                yield Keyframe(k.frame_index, k.timestamp_s, k.scene_score, img)
         finally:
             session.close()
-        if self._dedup is not None and self._decode_images:
-            kept = self._dedup.filter(keyframes)
-            self.stats.dropped_as_duplicates = len(keyframes) - len(kept)
-            keyframes = kept
-        self.stats.keyframes = len(keyframes)
         self.stats.seconds = time.perf_counter() - t0
-        yield from keyframes
         if error is not None:
             raise error
 
