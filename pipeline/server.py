@@ -92,8 +92,8 @@ class ServerSettings(BaseSettings):
     caption_draft: str | None = None
     speech_slots: int = 16
     min_hop_s: float = 0.5
-    agree_span_s: float = 2.5
-    confident_prob: float = 1.0
+    agree_span_s: float = Field(2.5, ge=0.0)
+    confident_prob: float = Field(1.0, gt=0.0, le=1.0)
 
 
 class StartMessage(BaseModel):

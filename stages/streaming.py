@@ -208,6 +208,14 @@ class StreamConfig:
     keep_windows: bool = False
     vad: VadConfig = field(default_factory=VadConfig)
 
+    def __post_init__(self):
+        if not self.min_hop_s > 0:
+            raise ValueError(f"min_hop_s must be > 0, got {self.min_hop_s}")
+        if not self.agree_span_s >= 0:
+            raise ValueError(f"agree_span_s must be >= 0, got {self.agree_span_s}")
+        if not 0.0 < self.confident_prob <= 1.0:
+            raise ValueError(f"confident_prob must be in (0, 1], got {self.confident_prob}")
+
 
 @dataclass(frozen=True)
 class WindowDecode:
@@ -441,8 +449,16 @@ class StreamingRecognizer:
     def audio_end_s(self) -> float:
         return self.buffer.end / SAMPLE_RATE
 
-    def insert_audio(self, samples: np.ndarray) -> None:
+    @property
+    def backlog_s(self) -> float:
+        """Seconds of received audio that no pass has decoded yet (grows without bound when RTF > 1)."""
+        return self.audio_end_s - self._last_pass_end_s
+
+    def insert_audio(self, samples: np.ndarray, arrived_at: float | None = None) -> None:
         """Append 16 kHz mono float32 ``samples`` ``[n]``; the VAD labels them at once.
+
+        ``arrived_at``: the clock time the samples arrived (default: now); finals' ``latency_ms`` count from
+        it (a benchmark passes the scheduled arrival, so time spent before the insert counts too).
 
         Raises:
             RuntimeError: after :meth:`finish`.
@@ -455,7 +471,7 @@ class StreamingRecognizer:
         if len(self.buffer) + len(x) > self.buffer.capacity:
             self._force_trim(len(self.buffer) + len(x) - self.buffer.capacity)
         self.buffer.append(x)
-        self._arrivals.append((self.buffer.end, self.clock()))
+        self._arrivals.append((self.buffer.end, self.clock() if arrived_at is None else float(arrived_at)))
         self.vad.accept(x)
 
     def ready(self) -> bool:
@@ -532,7 +548,8 @@ class StreamingRecognizer:
                                                speculate=cfg.speculate, max_new_tokens=cfg.max_new_tokens,
                                                seconds=len(audio) / SAMPLE_RATE, previous_text=prompt)
         hyp, complete = self._guard(dec)  # a prefix of dec.tokens
-        probs = tuple(float(np.exp(lp)) for lp in dec.logprobs[:len(hyp)]) if dec.logprobs else (1.0,) * len(hyp)
+        # no probabilities (an engine that did not return them): nothing counts as confident
+        probs = tuple(float(np.exp(lp)) for lp in dec.logprobs[:len(hyp)]) if dec.logprobs else (0.0,) * len(hyp)
         self.passes.append(PassRecord(a / SAMPLE_RATE, b / SAMPLE_RATE, tuple(hyp), dec.tokens, dec.target_steps,
                                       bool(self._prev) and cfg.speculate, dec.encode_s, dec.decode_s,
                                       0.0, dec.no_speech_prob, dec.finish_reason,
@@ -627,7 +644,7 @@ class StreamingRecognizer:
             elif commit_to is None:
                 commit_to = a
         self._prev, self._seen, self._prev_complete = list(hyp), seen, complete
-        self._prev_probs = list(probs) if probs is not None and len(probs) == len(hyp) else [1.0] * len(hyp)
+        self._prev_probs = list(probs) if probs is not None and len(probs) == len(hyp) else [0.0] * len(hyp)
         self._remember(end_s, hyp, complete)
         rest = hyp[commit_to:] if commit_to is not None else []
         text = self.service.text(rest) if rest else ""
@@ -645,7 +662,7 @@ class StreamingRecognizer:
         """Tokens after ``hyp[a]`` (the committed text) that this hypothesis and the previous one agree on
         (LocalAgreement-2), up to the first one either gave a probability below ``confident_prob``."""
         prev = self._prev
-        if prev is None or probs is None or self.config.confident_prob >= 1.0:
+        if prev is None or probs is None or len(probs) != len(hyp) or self.config.confident_prob >= 1.0:
             return 0
         pa = self._align(prev)
         if pa is None:

@@ -134,3 +134,44 @@ def _inp(rid, context, budget, depth):
     from specstream.kernels.sampling import SamplingParams
 
     return DraftInput(rid, 0, list(context), budget, depth, SamplingParams())
+
+
+def test_logprobs_are_after_the_processors_and_independent_of_drafts(sm, encs):
+    """Whisper requests with ``logprobs``: each token's log-probability is the log-softmax of the decoder's
+    scores after the (history-dependent) processors, computed here with one plain forward over the whole output;
+    temporal drafts (partly wrong) do not change them."""
+    from specstream.stages.speculative.models.llama import ForwardBatch
+
+    procs = _history_processors(sm)
+    prompt = sm.prompt()
+
+    def decode(engine, hyps=None):
+        temporal = next((d for d in engine.executor.drafters if isinstance(d, TemporalDrafter)), None)
+        reqs = []
+        for i, enc in enumerate(encs):
+            req = engine.make_request(prompt, MAX_NEW, logits_processors=procs, logprobs=True)
+            if hyps is not None:
+                temporal.set_hypothesis(req.request_id, hyps[i])
+            reqs.append(engine.add_request(req, encoder_output=enc))
+        engine.run()
+        return reqs
+
+    plain = decode(sm.new_engine("none"))
+    wrong = [[t if i % 6 != 5 else (t + 1) % 50000 for i, t in enumerate(r.output_ids)] for r in plain]
+    drafted = decode(sm.new_engine("ngram+temporal"), wrong)
+    for p, d, enc in zip(plain, drafted, encs):
+        assert d.output_ids == p.output_ids and len(p.output_logprobs) == len(p.output_ids) == MAX_NEW
+        assert np.allclose(d.output_logprobs, p.output_logprobs, atol=1e-5)
+        ids = prompt + p.output_ids
+        n = len(ids)
+        cache = sm.decoder.new_cache(1, n + 1)
+        sm.decoder.set_encoder_output(cache, 0, enc)
+        pos = torch.arange(n)[None]
+        logits, _ = sm.decoder.forward_batch(cache, ForwardBatch(
+            torch.zeros(1, dtype=torch.long), torch.tensor([ids]), pos, pos.clone(),
+            torch.ones(n, n, dtype=torch.bool).tril()[None]))
+        rows = logits[0, len(prompt) - 1:n - 1].float()
+        scored = apply_logits_processors(procs, [ids[:len(prompt) + k] for k in range(len(p.output_ids))], rows)
+        want = scored.log_softmax(-1).gather(1, torch.tensor(p.output_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(p.output_logprobs), want, atol=1e-4)
+        assert (want <= 0).all() and torch.isfinite(want).all()

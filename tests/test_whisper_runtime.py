@@ -157,7 +157,10 @@ def test_projected_cross_kv_equals_projecting_per_slot(models):
     for slot in (0, 1):
         ours.set_encoder_output(a, slot, batch2[slot])
         ours.set_encoder_output(b, slot, kvs[slot])
-    assert torch.equal(a.cross_k, b.cross_k) and torch.equal(a.cross_v, b.cross_v) and a.enc_lengths == b.enc_lengths
+    # batched and per-slot projections may round differently (different GEMM shapes)
+    assert torch.allclose(a.cross_k, b.cross_k, atol=1e-5, rtol=0) and torch.allclose(a.cross_v, b.cross_v, atol=1e-5,
+                                                                                      rtol=0)
+    assert a.enc_lengths == b.enc_lengths
     ids = torch.tensor([[50257, 50362, 1000]] * 2)
     pos = torch.arange(3).repeat(2, 1)
     mask = torch.ones(3, 3, dtype=torch.bool).tril().repeat(2, 1, 1)
