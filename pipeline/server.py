@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -606,7 +607,12 @@ def serve_main(argv: list[str]) -> int:
         over["allowed_roots"] = [Path(p) for p in args.allowed_root]
     if args.agree_span_s is not None:
         over["agree_span_s"] = args.agree_span_s
-    settings = ServerSettings(**over)
+    try:
+        settings = ServerSettings(**over)
+    except ValidationError as exc:  # a bad flag or SPECSTREAM_* value: say which, no traceback
+        for err in exc.errors():
+            print(f"specstream serve: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}", file=sys.stderr)
+        return 2
     uvicorn.run(create_app(settings), **uvicorn_options(settings), log_level=args.log_level)
     return 0
 

@@ -101,3 +101,16 @@ def test_bad_prompt_ids_file_is_a_clear_error(tiny, tmp_path, capsys, content):
                  "2", "--json"]) == 2
     err = capsys.readouterr().err
     assert "invalid_request" in err and ("p.jsonl:2" in err if content else "No such file" in err)
+
+
+def test_serve_rejects_bad_settings_with_a_clear_message(capsys, monkeypatch):
+    """A bad ``specstream serve`` flag or ``SPECSTREAM_*`` value exits 2 naming the setting (no traceback, no
+    server started)."""
+    from specstream.cli import main
+
+    assert main(["serve", "--agree-span-s", "-1"]) == 2
+    assert "agree_span_s" in capsys.readouterr().err
+    monkeypatch.setenv("SPECSTREAM_CONFIDENT_PROB", "2")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "confident_prob" in err and "Traceback" not in err
