@@ -86,7 +86,8 @@ class QosConfig:
         default_deadline_s: relative deadline per class for requests without one.
         max_queue: most queued requests per class (admission control).
         encoders: batching per modality; a request with another modality is invalid.
-        preempt: allow realtime to preempt batch (and memory overflow to preempt).
+        preempt: allow realtime to preempt batch. Memory overflow preempts regardless (the KV budget is a hard
+            limit).
         guard_encode_items: while a ``realtime`` request is active, most non-realtime items per encode batch
             (keeps steps short so subtitles are not delayed by keyframe floods).
         guard_prefill_tokens: while a ``realtime`` request is active, most non-realtime prefill tokens per step

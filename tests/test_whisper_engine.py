@@ -175,3 +175,27 @@ def test_logprobs_are_after_the_processors_and_independent_of_drafts(sm, encs):
         want = scored.log_softmax(-1).gather(1, torch.tensor(p.output_ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(p.output_logprobs), want, atol=1e-4)
         assert (want <= 0).all() and torch.isfinite(want).all()
+
+
+def test_preempted_whisper_request_resumes_with_its_encoder_output(sm, encs):
+    """A realtime window preempts a batch window of a one-slot QoS engine: the batch window's cross-attention
+    keys/values are saved at preemption, so it re-prefills and its output equals uninterrupted decoding."""
+    from specstream.schedulers.qos import QosConfig, QosScheduler
+    from specstream.schedulers.simulator import VirtualClock
+
+    ref, _ = _run(sm, sm.new_engine("ngram"), encs[:2])
+    engine = sm.new_engine("ngram", num_slots=1)
+    engine.scheduler = QosScheduler(QosConfig(num_slots=1, max_len=sm.max_target_positions, reserved_realtime_slots=0,
+                                              token_budget=512, preempt=True), clock=VirtualClock())
+    prompt = sm.prompt()
+    batch = engine.add_request(engine.make_request(prompt, MAX_NEW, request_id="b", qos="batch",
+                                                   logits_processors=sm.logits_processors(len(prompt))),
+                               encoder_output=encs[0])
+    for _ in range(3):
+        engine.step()
+    rt = engine.add_request(engine.make_request(prompt, MAX_NEW, request_id="rt", qos="realtime",
+                                                logits_processors=sm.logits_processors(len(prompt))),
+                            encoder_output=encs[1])
+    engine.run()
+    assert batch.preemptions == 1 and batch.error is None and rt.error is None
+    assert [list(batch.output_ids), list(rt.output_ids)] == ref

@@ -102,7 +102,13 @@ class SpeculativeExecutor:
 
     def preempt(self, request_id: str, slot: int) -> None:
         """Free a preempted request's KV cache (target and drafters); keep what its resume needs: the random
-        stream, the adaptive tree budget and the prefix embeddings."""
+        stream, the adaptive tree budget, the prefix embeddings and, for an encoder-decoder target, the slot's
+        encoder output (its cross-attention keys/values, copied out before the slot is freed)."""
+        saved = getattr(self.target, "saved_encoder_output", None)
+        if saved is not None and request_id not in self.encoder_outputs:
+            kv = saved(self.cache, slot)
+            if kv is not None:
+                self.encoder_outputs[request_id] = kv
         self.cache.reset(slot)
         for d in self.drafters:
             d.release(request_id, slot)

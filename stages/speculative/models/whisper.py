@@ -341,6 +341,14 @@ class WhisperDecoder(nn.Module):
             cache.cross_v[i, slot, :, :s] = v
         cache.enc_lengths[slot] = s
 
+    def saved_encoder_output(self, cache: WhisperKVCache, slot: int) -> CrossKV | None:
+        """A copy of ``slot``'s cross-attention keys/values (None when it holds no encoder output): what a
+        preempted request needs to be prefilled again after its slot was freed."""
+        s = cache.enc_lengths[slot]
+        if not s:
+            return None
+        return CrossKV(cache.cross_k[:, slot, :, :s].clone(), cache.cross_v[:, slot, :, :s].clone())
+
     def _encoder_mask(self, cache: WhisperKVCache, slots: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         lengths = [cache.enc_lengths[int(s)] for s in slots.tolist()]
         if min(lengths) == 0:
