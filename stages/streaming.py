@@ -28,9 +28,10 @@ How a pass works:
 
 Word times: Whisper runs without timestamps here, so a word's end time comes from when it first appeared:
 a token first seen in the pass over audio ``[.., hi]`` (and absent at the pass before, over ``[.., lo]``)
-ended in ``(lo, hi]``; if the VAD saw speech stop inside that interval, that offset is the word's end, else
-``hi``. A final's start is the first VAD speech onset after the previous final's end. Times are seconds from
-stream start, clamped to be monotonic and inside the audio received.
+ended in ``(lo, hi]``. When ``m`` tokens first appeared in that pass and the word's token is the ``k``-th, it
+ended where the VAD's speech frames inside ``(lo, hi]`` reach ``k / m`` of their duration (the end of the last
+speech there for the last of them). A final's start is the first VAD speech onset after the previous final's
+end. Times are seconds from stream start, clamped to be monotonic and inside the audio received.
 
 Hallucination guards: the VAD gate (and an RMS floor: digital silence and quiet noise are silence); Whisper's
 no-speech probability (``<|nocaptions|>`` after ``<|startoftranscript|>``) above ``no_speech_threshold`` empties
@@ -639,7 +640,7 @@ class StreamingRecognizer:
                         j = self._word_cut(new, max(agree, self._confident_agreement(hyp, a, probs)))
                         commit_to = a + j
             if commit_to is not None and commit_to > a:
-                out.append(self._emit_final(hyp[a:commit_to], seen[a:commit_to], end_s))
+                out.append(self._emit_final(hyp[a:commit_to], seen[a:commit_to], end_s, seen[commit_to:]))
                 self._committed = list(hyp[:commit_to])
             elif commit_to is None:
                 commit_to = a
@@ -691,10 +692,20 @@ class StreamingRecognizer:
             del self._hyps[:old[-1]]
 
     # -- emitting ------------------------------------------------------------------------------------------------
-    def _emit_final(self, tokens: list[int], seen: list[tuple[float, float]], end_s: float) -> Subtitle:
+    def _emit_final(self, tokens: list[int], seen: list[tuple[float, float]], end_s: float,
+                    rest_seen: Sequence[tuple[float, float]] = ()) -> Subtitle:
+        """A final for ``tokens`` (first-seen intervals ``seen``); ``rest_seen``: the intervals of the hypothesis
+        tokens after it (not committed).
+
+        The end time: the last token first appeared in a pass over ``(lo, hi]``, together with ``k`` - 1 tokens
+        before it in this final and ``m`` - ``k`` after it. Words take speech time, so it ended where the
+        speech inside ``(lo, hi]`` (VAD frames) reaches the fraction ``k / m``: the end of the last speech
+        there when nothing after it was first seen in that pass. (Taking the first VAD pause in the interval put
+        the end of a whole utterance decoded in one pass at its first pause.)"""
         lo, hi = seen[-1]
-        offsets = self.vad.speech_offsets(lo, hi)
-        t_end = offsets[0] if offsets else hi
+        k = sum(1 for x in seen if x == (lo, hi))
+        m = k + sum(1 for x in rest_seen if x == (lo, hi))
+        t_end = self._speech_time_at(lo, hi, k / m)
         onset = self._speech_onset(self._last_end_s, end_s)
         start = max(self._last_end_s, onset if onset is not None else self._last_end_s)
         t_end = max(start, min(end_s, t_end))  # monotonic first (ends are coarse upper bounds)
@@ -719,6 +730,17 @@ class StreamingRecognizer:
             if s_end >= sample:
                 return at
         return self._arrivals[-1][1] if self._arrivals else self.clock()
+
+    def _speech_time_at(self, lo_s: float, hi_s: float, fraction: float) -> float:
+        """Where the VAD's speech frames inside ``(lo_s, hi_s]`` reach ``fraction`` of their total duration (the
+        end of that frame); ``hi_s`` when the interval holds no speech."""
+        fa = max(0, int(lo_s * SAMPLE_RATE) // FRAME)
+        fb = min(self.vad.frames, -(-int(hi_s * SAMPLE_RATE) // FRAME))
+        frames = [i for i in range(fa, fb) if self.vad.speech[i]]
+        if not frames:
+            return hi_s
+        j = min(len(frames) - 1, max(0, int(np.ceil(fraction * len(frames))) - 1))
+        return min(hi_s, max(lo_s, (frames[j] + 1) * FRAME / SAMPLE_RATE))
 
     def _speech_onset(self, a_s: float, b_s: float) -> float | None:
         fa = int(a_s * SAMPLE_RATE) // FRAME
@@ -789,7 +811,7 @@ class StreamingRecognizer:
             self._hyps = hyps + [(e, h[k:], c) for e, h, c in self._hyps[-1:]] if len(self._prev) > k else []
         c = len(self._committed)
         if k > c:
-            out.append(self._emit_final(self._prev[c:k], self._seen[c:k], p))
+            out.append(self._emit_final(self._prev[c:k], self._seen[c:k], p, self._seen[k:]))
         self._history += self._prev[:k]
         self._committed = self._committed[k:]
         self._prev, self._seen = (self._prev[k:], self._seen[k:]) if len(self._prev) > k else (None, [])

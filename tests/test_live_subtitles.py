@@ -111,6 +111,29 @@ def test_guards():
         rb.append(np.zeros(1, np.float32))
 
 
+def test_final_end_time_is_where_the_speech_ends_not_the_first_pause(sm, rec3):
+    """A whole 3-sentence recording decoded in one pass (it all arrived at once): every token first appeared in
+    that pass, and the final ends where the VAD heard the speech end, not at the first pause between sentences."""
+    from specstream.stages.streaming import SpeechService, StreamingRecognizer
+
+    _, audio, ends = rec3
+
+    async def run():
+        svc = SpeechService(sm, num_slots=2)
+        try:
+            rec = StreamingRecognizer(svc)
+            rec.insert_audio(audio)
+            return await rec.finish()
+        finally:
+            await svc.stop()
+
+    finals = [s for s in asyncio.run(run()) if s.kind == "final"]
+    assert finals and wer(" ".join(SCRIPT[:3]), " ".join(f.text for f in finals)) <= 0.5
+    print([(f.start_s, f.end_s) for f in finals], ends)
+    assert abs(finals[-1].end_s - ends[-1]) < 0.15, ([(f.start_s, f.end_s, f.text) for f in finals], ends)
+    assert finals[0].start_s < 0.3
+
+
 # -- the WebSocket endpoint ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(sm, tmp_path_factory):
