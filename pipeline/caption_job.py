@@ -88,31 +88,40 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
     await broker.close_topic(TOPIC_REQUESTS)
     pending = set(ids)
     failed = set()
-    buffered: dict[str, list[PipelineResult]] = {rid: [] for rid in ids}
-    next_input = 0
+    buffered: dict[str, dict[int, PipelineResult]] = {rid: {} for rid in ids}  # results not written yet, by seq
+    next_input, next_seq = 0, 0
 
     def flush():
-        nonlocal next_input
-        # write inputs in order; each input's records in seq order once its final result arrived
-        while next_input < len(ids) and ids[next_input] not in pending:
-            for res in sorted(buffered[ids[next_input]], key=lambda r: r.seq):
-                rec = res.output if res.status == "ok" else {
-                    "source": inputs[next_input], "error": res.error.model_dump()}
+        """Write records as soon as they are in order: inputs in input order, each input's records in seq order
+        (a long video's captions appear while it is still being captioned, and survive an interrupt)."""
+        nonlocal next_input, next_seq
+        wrote = False
+        while next_input < len(ids):
+            rid = ids[next_input]
+            ended = False
+            while next_seq in buffered[rid]:
+                res = buffered[rid].pop(next_seq)
+                rec = res.output if res.status == "ok" else {"source": inputs[next_input],
+                                                             "error": res.error.model_dump()}
                 out.write(json.dumps(rec) + "\n")
                 summary.records.append(rec)
+                wrote, next_seq, ended = True, next_seq + 1, res.final
+            if not ended:
+                break
+            next_input, next_seq = next_input + 1, 0
+        if wrote:
             out.flush()
-            next_input += 1
 
     async for msg in broker.subscribe(TOPIC_RESULTS):
         res: PipelineResult = msg.value
-        buffered[res.id].append(res)
+        buffered[res.id][res.seq] = res
         if res.status == "error":
             failed.add(res.id)
         if progress is not None and res.status == "ok":
             progress.update(1)
         if res.final:
             pending.discard(res.id)
-            flush()
+        flush()
         if not pending:
             break
     await kt

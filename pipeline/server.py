@@ -610,8 +610,13 @@ def serve_main(argv: list[str]) -> int:
     try:
         settings = ServerSettings(**over)
     except ValidationError as exc:  # a bad flag or SPECSTREAM_* value: say which, no traceback
+        flags = {"host": "--host", "port": "--port", "api_keys": "--api-key", "allowed_roots": "--allowed-root",
+                 "agree_span_s": "--agree-span-s"}
         for err in exc.errors():
-            print(f"specstream serve: {'.'.join(str(x) for x in err['loc'])}: {err['msg']}", file=sys.stderr)
+            name = ".".join(str(x) for x in err["loc"])
+            field = str(err["loc"][0]) if err["loc"] else name
+            where = " / ".join(x for x in (flags.get(field), f"SPECSTREAM_{field.upper()}") if x)
+            print(f"specstream serve: {name} ({where}): {err['msg']}", file=sys.stderr)
         return 2
     uvicorn.run(create_app(settings), **uvicorn_options(settings), log_level=args.log_level)
     return 0

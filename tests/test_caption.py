@@ -407,7 +407,7 @@ def test_long_video_is_backpressured_not_held_in_memory(models, src, tmp_path):
     import io
     import weakref
 
-    from specstream.pipeline.broker import TOPIC_FRAMES, InProcessBroker
+    from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_RESULTS, InProcessBroker
     from specstream.pipeline.caption_job import run_caption_graph
     from specstream.stages.caption import Captioner
 
@@ -433,8 +433,20 @@ def test_long_video_is_backpressured_not_held_in_memory(models, src, tmp_path):
         return summary, [json.loads(line) for line in out.getvalue().splitlines()]
 
     tight = Tracking(topic_maxsize={TOPIC_FRAMES: 1})
-    summary, records = run(tight, 1)
+
+    class Out(io.StringIO):  # when each line is written: results published so far
+        at: list = []
+
+        def write(self, text):
+            Out.at.append(tight.published.get(TOPIC_RESULTS, 0))
+            return super().write(text)
+
+    out = Out()
+    summary = asyncio.run(run_caption_graph([src["bikes"]], captioner, out, PROMPT, 3, None, None,
+                                            broker=tight, max_in_flight=1))
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
     assert summary.keyframes == 6 and len(records) == 6, records
+    assert Out.at[0] < 6  # records are written in order as they complete, not when the whole video is done
     assert tight.max_depth[TOPIC_FRAMES] <= 1
     # one in the topic, one being captioned, one pending in the keyframe stage, one in flight from the decoder
     assert Tracking.peak <= 4, Tracking.peak

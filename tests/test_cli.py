@@ -109,7 +109,7 @@ def test_serve_rejects_bad_settings_with_a_clear_message(capsys, monkeypatch):
     from specstream.cli import main
 
     assert main(["serve", "--agree-span-s", "-1"]) == 2
-    assert "agree_span_s" in capsys.readouterr().err
+    assert "agree_span_s (--agree-span-s / SPECSTREAM_AGREE_SPAN_S)" in capsys.readouterr().err
     monkeypatch.setenv("SPECSTREAM_CONFIDENT_PROB", "2")
     assert main(["serve"]) == 2
     err = capsys.readouterr().err
