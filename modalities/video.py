@@ -289,10 +289,9 @@ class VideoDecodeSession:
         return [img for _, img in msg[1]]
 
     def iter_full(self, timestamps_s: Sequence[float]) -> Iterator[np.ndarray]:
-        """:meth:`decode_full` one frame at a time: the child decodes the next frame only while the previous
-        one is being consumed (it blocks on the pipe), so a slow consumer never holds more than about two
-        full-resolution frames. Same order, errors and preconditions as :meth:`decode_full`; frames yielded
-        before an error stand."""
+        """:meth:`decode_full` one frame at a time: the child blocks on the pipe until each frame is taken, so
+        a slow consumer holds back the decoding instead of receiving every frame at once. Same order, errors
+        and preconditions as :meth:`decode_full`; frames yielded before an error stand."""
         if not self._ended or self._conn is None:
             raise RuntimeError("iter_full() needs a finished proxy_frames() pass on this session")
         self._conn.send(("decode_stream", [float(t) for t in timestamps_s]))

@@ -97,7 +97,6 @@ class InProcessBroker(Broker):
         self._topic_maxsize = dict(topic_maxsize or {})
         self._queues: dict[str, asyncio.Queue] = {}
         self.published: dict[str, int] = {}
-        self.max_depth: dict[str, int] = {}  # deepest each topic's queue got (messages waiting)
 
     def _queue(self, topic: str) -> asyncio.Queue:
         if topic not in self._queues:
@@ -105,10 +104,8 @@ class InProcessBroker(Broker):
         return self._queues[topic]
 
     async def publish(self, topic, key, value, headers=None):
-        q = self._queue(topic)
-        await q.put(Message(topic, key, value, dict(headers or {})))
+        await self._queue(topic).put(Message(topic, key, value, dict(headers or {})))
         self.published[topic] = self.published.get(topic, 0) + 1
-        self.max_depth[topic] = max(self.max_depth.get(topic, 0), q.qsize())
 
     async def subscribe(self, topic):
         q = self._queue(topic)

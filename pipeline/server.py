@@ -69,7 +69,6 @@ class ServerSettings(BaseSettings):
         agree_span_s: the commit policy's agreement span (``StreamConfig.agree_span_s``): the latency/accuracy
             trade-off of finals. 0 is LocalAgreement-2 (lowest latency); longer spans commit only readings that
             stayed the same over that much more audio (see the table in ``docs/benchmarks.md``).
-        confident_prob: ``StreamConfig.confident_prob`` (1.0: off).
     """
 
     model_config = SettingsConfigDict(env_prefix="SPECSTREAM_", extra="ignore")
@@ -92,9 +91,8 @@ class ServerSettings(BaseSettings):
     caption_target: str | None = None
     caption_draft: str | None = None
     speech_slots: int = 16
-    min_hop_s: float = 0.5
+    min_hop_s: float = Field(0.5, gt=0.0)
     agree_span_s: float = Field(2.5, ge=0.0)
-    confident_prob: float = Field(1.0, gt=0.0, le=1.0)
 
 
 class StartMessage(BaseModel):
@@ -186,7 +184,7 @@ class SubtitleSession:
         from specstream.stages.streaming import StreamConfig, StreamingRecognizer
 
         s = self.settings
-        config = StreamConfig(min_hop_s=s.min_hop_s, agree_span_s=s.agree_span_s, confident_prob=s.confident_prob)
+        config = StreamConfig(min_hop_s=s.min_hop_s, agree_span_s=s.agree_span_s)
         self.recognizer = StreamingRecognizer(self.state.speech, config)
         sender = asyncio.create_task(self._sender())
         worker = asyncio.create_task(self._worker())

@@ -367,7 +367,6 @@ class CaptionStage:
         self.chain_store = chain_store
         self.stats = CaptionStats()
         self.max_in_flight = max(1, int(max_in_flight))
-        self.peak_in_flight = 0
         self._chains: dict[str, tuple[asyncio.Task, int]] = {}  # request id -> (task of the newest frame, its seq)
         self._map_stems: dict[str, str] = {}  # source -> its attention maps' file-name stem (unique per source)
 
@@ -391,7 +390,6 @@ class CaptionStage:
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 task.add_done_callback(lambda _: window.release())
-                self.peak_in_flight = max(self.peak_in_flight, len(tasks))
                 self._chains[frame.request_id] = (task, frame.seq)
                 if frame.last:
                     self._chains.pop(frame.request_id, None)

@@ -147,7 +147,6 @@ class PassRecord:
         no_speech_prob: Whisper's no-speech probability of the window.
         window: the log-mel window ``[80, 3000]`` (only with ``StreamConfig.keep_windows``).
         prompt: the earlier text the window was conditioned on (``<|startofprev|>`` tokens).
-        probs: per token of ``tokens``, the target's probability of it (greedy: its softmax maximum).
     """
 
     audio_start_s: float
@@ -163,7 +162,6 @@ class PassRecord:
     finish_reason: str | None
     window: np.ndarray | None = None
     prompt: tuple[int, ...] = ()
-    probs: tuple[float, ...] = ()  # per token of ``tokens``: the target's probability of it
 
 
 @dataclass(frozen=True)
@@ -172,9 +170,6 @@ class StreamConfig:
 
     Attributes:
         min_hop_s: least new audio between passes (the hop is ``max(min_hop_s, last pass wall time)``).
-        confident_prob: words whose every token the target gave at least this probability, in this pass and
-            in the previous one, are committed by LocalAgreement-2 (two successive hypotheses agree); a word
-            with a less certain token waits for the agreement over ``agree_span_s``. 1.0: always wait.
         agree_span_s: the commit policy compares the newest hypothesis with every hypothesis back to the newest
             one whose window ended at least this much audio earlier (LocalAgreement-2 when passes are this far
             apart; with faster passes, LocalAgreement-n over this span), so a word is committed only once
@@ -194,7 +189,6 @@ class StreamConfig:
     """
 
     min_hop_s: float = 0.5
-    confident_prob: float = 1.0
     agree_span_s: float = 2.5
     trim_after_s: float = 15.0
     keep_s: float = 6.0
@@ -214,8 +208,6 @@ class StreamConfig:
             raise ValueError(f"min_hop_s must be > 0, got {self.min_hop_s}")
         if not self.agree_span_s >= 0:
             raise ValueError(f"agree_span_s must be >= 0, got {self.agree_span_s}")
-        if not 0.0 < self.confident_prob <= 1.0:
-            raise ValueError(f"confident_prob must be in (0, 1], got {self.confident_prob}")
 
 
 @dataclass(frozen=True)
@@ -228,7 +220,6 @@ class WindowDecode:
     no_speech_prob: float
     encode_s: float
     decode_s: float
-    logprobs: tuple[float, ...] = ()  # per token of ``tokens``: the target's log-probability (natural log)
 
 
 # -- the shared model and engine ------------------------------------------------------------------------------
@@ -332,7 +323,7 @@ class SpeechService:
         item = EncodeItem(f"{rid}/audio", "audio", float(seconds))
         req = self.engine.make_request(prompt, min(max_new_tokens, sm.max_target_positions - len(prompt)),
                                        request_id=rid, speculate=speculate, qos="realtime", encodes=(item,),
-                                       logits_processors=sm.logits_processors(len(prompt)), logprobs=True)
+                                       logits_processors=sm.logits_processors(len(prompt)))
         if hypothesis and speculate:
             self.temporal.set_hypothesis(rid, list(hypothesis))
         self._windows[item.item_id] = window
@@ -345,11 +336,8 @@ class SpeechService:
         nsp, enc_s = self._encoded.pop(rid, (0.0, 0.0))
         if done.error:
             raise SpecstreamError(f"decoding failed: {done.error}")
-        keep = [i for i, t in enumerate(done.output_ids) if t != sm.tokens.eot]
-        toks = tuple(done.output_ids[i] for i in keep)
-        lps = tuple(done.output_logprobs[i] for i in keep) if len(done.output_logprobs) == len(done.output_ids) else ()
-        return WindowDecode(toks, done.finish_reason, done.stats.target_steps, nsp, enc_s, max(0.0, wall - enc_s),
-                            lps)
+        toks = tuple(t for t in done.output_ids if t != sm.tokens.eot)
+        return WindowDecode(toks, done.finish_reason, done.stats.target_steps, nsp, enc_s, max(0.0, wall - enc_s))
 
     # -- token helpers --------------------------------------------------------------------------------------
     def starts_word(self, token: int) -> bool:
@@ -432,7 +420,6 @@ class StreamingRecognizer:
         self._arrivals: list[tuple[int, float]] = []  # (absolute sample end, clock at arrival)
         self._committed: list[int] = []  # tokens committed since the buffer start
         self._prev: list[int] | None = None  # previous hypothesis of the current buffer
-        self._prev_probs: list[float] = []  # per token of _prev: the target's probability
         self._prev_complete = False
         self._seen: list[tuple[float, float]] = []  # per token of _prev: (lo, hi) first-seen interval
         # recent hypotheses of the current buffer, oldest first: (window end s, tokens, complete); the last is _prev
@@ -529,7 +516,7 @@ class StreamingRecognizer:
             self._hop_s = cfg.min_hop_s
             return out
         hyp, complete = await self._decode(self.buffer.start, end)
-        out.extend(self._agree(hyp, complete, lo_s, end_s, final, list(self.passes[-1].probs)))
+        out.extend(self._agree(hyp, complete, lo_s, end_s, final))
         wall = time.perf_counter() - t0
         last = self.passes[-1]
         self.passes[-1] = PassRecord(**{**last.__dict__, "wall_s": wall})
@@ -548,13 +535,11 @@ class StreamingRecognizer:
         dec = await self.service.decode_window(window, self._prev if cfg.speculate else None,
                                                speculate=cfg.speculate, max_new_tokens=cfg.max_new_tokens,
                                                seconds=len(audio) / SAMPLE_RATE, previous_text=prompt)
-        hyp, complete = self._guard(dec)  # a prefix of dec.tokens
-        # no probabilities (an engine that did not return them): nothing counts as confident
-        probs = tuple(float(np.exp(lp)) for lp in dec.logprobs[:len(hyp)]) if dec.logprobs else (0.0,) * len(hyp)
+        hyp, complete = self._guard(dec)
         self.passes.append(PassRecord(a / SAMPLE_RATE, b / SAMPLE_RATE, tuple(hyp), dec.tokens, dec.target_steps,
                                       bool(self._prev) and cfg.speculate, dec.encode_s, dec.decode_s,
                                       0.0, dec.no_speech_prob, dec.finish_reason,
-                                      window if cfg.keep_windows else None, tuple(prompt), probs))
+                                      window if cfg.keep_windows else None, tuple(prompt)))
         return hyp, complete
 
     def _prompt_tokens(self) -> list[int]:
@@ -604,8 +589,7 @@ class StreamingRecognizer:
             j += 1
         return j
 
-    def _agree(self, hyp: list[int], complete: bool, lo_s: float, end_s: float, final: bool,
-               probs: list[float] | None = None) -> list[Subtitle]:
+    def _agree(self, hyp: list[int], complete: bool, lo_s: float, end_s: float, final: bool) -> list[Subtitle]:
         """The commit policy; returns the final and/or partial.
 
         LocalAgreement over a span of audio: ``hyp`` is compared with every recent hypothesis back to the newest
@@ -613,13 +597,7 @@ class StreamingRecognizer:
         i.e. LocalAgreement-2). The longest prefix (after the committed text) all of them agree on is committed,
         cut back to a word boundary; when all of them are complete and identical (speech ended), all of it.
         With 0.5-s hops plain LocalAgreement-2 committed tiny.en's first readings of a sentence, which windows
-        a second or two longer correct.
-
-        With ``confident_prob`` < 1, the prefix this hypothesis and the previous one agree on is also committed
-        at once (LocalAgreement-2) up to the first word with a token below ``confident_prob`` in either of them;
-        from there on the span's agreement is needed. A latency knob, off by default: on the espeak recording
-        tiny.en's misreadings mostly have p 0.1-0.6, but so do many right words, and at 0.5 it lowered the
-        median final latency without lowering the WER."""
+        a second or two longer correct."""
         out: list[Subtitle] = []
         prev, prev_seen = self._prev, self._seen
         seen = _carry_seen(prev or [], prev_seen, hyp, (lo_s, end_s))
@@ -637,7 +615,9 @@ class StreamingRecognizer:
                     if complete and all(c and agree == len(new) == len(h) - pa for h, pa, c in aligned):
                         commit_to = len(hyp)
                     else:
-                        j = self._word_cut(new, max(agree, self._confident_agreement(hyp, a, probs)))
+                        j = agree  # back to a word start (the last word may still grow)
+                        while j > 0 and not (j < len(new) and self.service.starts_word(new[j])):
+                            j -= 1
                         commit_to = a + j
             if commit_to is not None and commit_to > a:
                 out.append(self._emit_final(hyp[a:commit_to], seen[a:commit_to], end_s, seen[commit_to:]))
@@ -645,34 +625,12 @@ class StreamingRecognizer:
             elif commit_to is None:
                 commit_to = a
         self._prev, self._seen, self._prev_complete = list(hyp), seen, complete
-        self._prev_probs = list(probs) if probs is not None and len(probs) == len(hyp) else [0.0] * len(hyp)
         self._remember(end_s, hyp, complete)
         rest = hyp[commit_to:] if commit_to is not None else []
         text = self.service.text(rest) if rest else ""
         if text != self._partial:
             out.append(self._emit_partial(text))
         return out
-
-    def _word_cut(self, new: list[int], j: int) -> int:
-        """``j`` moved back to a word start of ``new`` (the last word may still grow: never past it)."""
-        while j > 0 and not (j < len(new) and self.service.starts_word(new[j])):
-            j -= 1
-        return j
-
-    def _confident_agreement(self, hyp: list[int], a: int, probs: list[float] | None) -> int:
-        """Tokens after ``hyp[a]`` (the committed text) that this hypothesis and the previous one agree on
-        (LocalAgreement-2), up to the first one either gave a probability below ``confident_prob``."""
-        prev = self._prev
-        if prev is None or probs is None or len(probs) != len(hyp) or self.config.confident_prob >= 1.0:
-            return 0
-        pa = self._align(prev)
-        if pa is None:
-            return 0
-        theta, k = self.config.confident_prob, 0
-        la = _lcp(hyp[a:], prev[pa:])
-        while k < la and probs[a + k] >= theta and self._prev_probs[pa + k] >= theta:
-            k += 1
-        return k
 
     def _agreement_refs(self, end_s: float) -> list[tuple[list[int], bool]]:
         """The hypotheses a new one at ``end_s`` must agree with: all from the newest one whose window ended at
@@ -755,7 +713,6 @@ class StreamingRecognizer:
         self._history += self._committed
         self.buffer.trim(new_start)
         self._committed, self._prev, self._seen, self._prev_complete = [], None, [], False
-        self._prev_probs = []
         self._hyps = []
         self._drop_old_arrivals()
 
@@ -815,7 +772,6 @@ class StreamingRecognizer:
         self._history += self._prev[:k]
         self._committed = self._committed[k:]
         self._prev, self._seen = (self._prev[k:], self._seen[k:]) if len(self._prev) > k else (None, [])
-        self._prev_probs = self._prev_probs[k:] if self._prev is not None else []
         self.buffer.trim(int(round(p * SAMPLE_RATE)))
         self._drop_old_arrivals()
         return out

@@ -447,7 +447,6 @@ def test_long_video_is_backpressured_not_held_in_memory(models, src, tmp_path):
     records = [json.loads(line) for line in out.getvalue().splitlines()]
     assert summary.keyframes == 6 and len(records) == 6, records
     assert Out.at[0] < 6  # records are written in order as they complete, not when the whole video is done
-    assert tight.max_depth[TOPIC_FRAMES] <= 1
     # one in the topic, one being captioned, one pending in the keyframe stage, one in flight from the decoder
     assert Tracking.peak <= 4, Tracking.peak
     _, default = run(None, 8)

@@ -110,7 +110,7 @@ def test_serve_rejects_bad_settings_with_a_clear_message(capsys, monkeypatch):
 
     assert main(["serve", "--agree-span-s", "-1"]) == 2
     assert "agree_span_s (--agree-span-s / SPECSTREAM_AGREE_SPAN_S)" in capsys.readouterr().err
-    monkeypatch.setenv("SPECSTREAM_CONFIDENT_PROB", "2")
+    monkeypatch.setenv("SPECSTREAM_MIN_HOP_S", "0")
     assert main(["serve"]) == 2
     err = capsys.readouterr().err
-    assert "confident_prob" in err and "Traceback" not in err
+    assert "min_hop_s (SPECSTREAM_MIN_HOP_S)" in err and "Traceback" not in err

@@ -175,7 +175,7 @@ class KeyframeRun:
             if self._decode_images and keyframes:
                 stamps = [k.timestamp_s for k in keyframes]
                 if error is None:
-                    # one at a time: a slow consumer holds one or two full-resolution frames, not the video's
+                    # one at a time: the decoding child waits until each frame is taken (backpressure)
                     images = session.iter_full(stamps)
                 else:  # the session's child is gone: a fresh one decodes the good part
                     try:
@@ -193,7 +193,6 @@ class KeyframeRun:
                         continue
                     last = emb
                 self.stats.keyframes += 1
-                self.stats.seconds = time.perf_counter() - t0
                 yield Keyframe(k.frame_index, k.timestamp_s, k.scene_score, img)
         finally:
             session.close()

@@ -340,10 +340,10 @@ class SpeculativeExecutor:
             self.cache.compact(row.slot, row.prefix, [row.prefix + i for i in result.path[:keep]])
             for d in self.drafters:
                 d.observe(req.request_id, row.tree, result.path[:keep], new)
-        # the logits row that predicted committed token k: the prompt's last row (prefill) or path node k (tree)
-        src = [len(row.tokens) - 1] if is_prefill else list(result.path)
         vis: tuple = ()
         if visual is not None:
+            # the row that predicted committed token k: the prompt's last row (prefill) or path node k (tree)
+            src = [len(row.tokens) - 1] if is_prefill else list(result.path)
             vis = tuple(visual[src[k]] for k in range(min(len(new), len(src))))
         lps = ()
         if req.logprobs:  # logits rows are the row's logit_rows: a prefill has only its last

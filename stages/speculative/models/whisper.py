@@ -188,10 +188,10 @@ class WhisperCrossAttention(_WhisperAttention):
     """Attention of decoder tokens to the slot's encoder output (keys/values precomputed per slot)."""
 
     def project(self, encoder_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[num_heads, S_enc, head_dim]`` of ``encoder_hidden`` ``[S_enc, d_model]``."""
-        s = encoder_hidden.shape[0]
-        k = self.k_proj(encoder_hidden).view(s, self.num_heads, self.head_dim).transpose(0, 1)
-        v = self.v_proj(encoder_hidden).view(s, self.num_heads, self.head_dim).transpose(0, 1)
+        """Keys and values ``[B, num_heads, S_enc, head_dim]`` of ``encoder_hidden`` ``[B, S_enc, d_model]``."""
+        b, s, _ = encoder_hidden.shape
+        k = self.k_proj(encoder_hidden).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(encoder_hidden).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         return k, v
 
     def forward(self, x, cache: WhisperKVCache, batch: ForwardBatch, enc_len: int, enc_mask: torch.Tensor | None):
@@ -297,14 +297,9 @@ class WhisperDecoder(nn.Module):
             raise ValueError(f"encoder outputs must be [B, S_enc, {self.config.d_model}], "
                              f"got {tuple(encoder_hidden.shape)}")
         enc = encoder_hidden.to(device=self.device, dtype=self.dtype)
-        b, s, _ = enc.shape
-        ks, vs = [], []
-        for layer in self.model.decoder.layers:
-            att = layer.encoder_attn
-            ks.append(att.k_proj(enc).view(b, s, att.num_heads, att.head_dim).transpose(1, 2))
-            vs.append(att.v_proj(enc).view(b, s, att.num_heads, att.head_dim).transpose(1, 2))
-        k, v = torch.stack(ks, 1), torch.stack(vs, 1)  # [B, L, H, S, Dh]
-        return [CrossKV(k[i], v[i]) for i in range(b)]
+        kvs = [layer.encoder_attn.project(enc) for layer in self.model.decoder.layers]  # per layer [B, H, S, Dh]
+        k, v = torch.stack([x[0] for x in kvs], 1), torch.stack([x[1] for x in kvs], 1)  # [B, L, H, S, Dh]
+        return [CrossKV(k[i], v[i]) for i in range(k.shape[0])]
 
     @torch.inference_mode()
     def set_encoder_output(self, cache: WhisperKVCache, slot: int, encoder_hidden: torch.Tensor | CrossKV) -> None:
@@ -319,26 +314,16 @@ class WhisperDecoder(nn.Module):
         Raises:
             ValueError: wrong shape or too long.
         """
-        if isinstance(encoder_hidden, CrossKV):
-            s = encoder_hidden.length
-            if not 0 < s <= cache.max_source_len:
-                raise ValueError(f"encoder output of {s} frames does not fit the cache ({cache.max_source_len})")
-            cache.cross_k[:, slot, :, :s] = encoder_hidden.k
-            cache.cross_v[:, slot, :, :s] = encoder_hidden.v
-            cache.enc_lengths[slot] = s
-            return
-        if encoder_hidden.ndim == 3 and encoder_hidden.shape[0] == 1:
-            encoder_hidden = encoder_hidden[0]
-        if encoder_hidden.ndim != 2 or encoder_hidden.shape[1] != self.config.d_model:
-            raise ValueError(f"encoder output must be [S_enc, {self.config.d_model}], got {tuple(encoder_hidden.shape)}")
-        s = encoder_hidden.shape[0]
+        if not isinstance(encoder_hidden, CrossKV):
+            if encoder_hidden.ndim != 2 and not (encoder_hidden.ndim == 3 and encoder_hidden.shape[0] == 1):
+                raise ValueError(f"encoder output must be [S_enc, {self.config.d_model}], "
+                                 f"got {tuple(encoder_hidden.shape)}")
+            encoder_hidden = self.project(encoder_hidden)[0]
+        s = encoder_hidden.length
         if not 0 < s <= cache.max_source_len:
             raise ValueError(f"encoder output of {s} frames does not fit the cache ({cache.max_source_len})")
-        enc = encoder_hidden.to(device=self.device, dtype=self.dtype)
-        for i, layer in enumerate(self.model.decoder.layers):
-            k, v = layer.encoder_attn.project(enc)
-            cache.cross_k[i, slot, :, :s] = k
-            cache.cross_v[i, slot, :, :s] = v
+        cache.cross_k[:, slot, :, :s] = encoder_hidden.k
+        cache.cross_v[:, slot, :, :s] = encoder_hidden.v
         cache.enc_lengths[slot] = s
 
     def saved_encoder_output(self, cache: WhisperKVCache, slot: int) -> CrossKV | None:
