@@ -108,6 +108,16 @@ def hist_distance(a: np.ndarray, b: np.ndarray) -> float:
     return min(1.0, float(np.abs(np.asarray(a) - np.asarray(b)).sum()) / (6.0 * HIST_UNIT))
 
 
+def is_near_uniform(image: np.ndarray, max_luma_std: float = 4 / 255) -> bool:
+    """True when the BT.601 luma of ``image`` ([H, W, 3] uint8 RGB, any size) has a standard deviation below
+    ``max_luma_std`` (in [0, 1]): a black, white or flat-colour frame, which shows no scene. Raises ValueError on
+    another shape/dtype."""
+    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise ValueError(f"expected [h, w, 3] uint8 RGB, got {image.shape} {image.dtype}")
+    y = image.reshape(-1, 3).astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32)
+    return float(y.std()) / 255.0 < max_luma_std
+
+
 def encode_hist(hist: np.ndarray) -> str:
     """`FrameFeature.hist` -> base64 text of its values as little-endian uint16 (exact: values are <= HIST_UNIT)."""
     return base64.b64encode(np.asarray(hist, dtype="<u2").tobytes()).decode("ascii")
