@@ -178,6 +178,7 @@ def test_keyframes_bench_reports_all_baselines(clips, tmp_path):
     report = run_keyframes_bench(str(clips["joined.mp4"]), out_json=str(out), repeats=1)
     assert json.loads(out.read_text()) == report
     assert report["video"]["frames"] == 150 and report["keyframes"] == 3
+    assert report["keyframe_times_s"] == [0.0, *media.JOIN_TIMES_S] and report["keyframes_dropped_as_blank"] == 0
     for case in ("ffmpeg", "decord_full", "pyav_full", "pyav_decode", "select_keyframes", "select_keyframes_pyav"):
         r = report["results"][case]
         assert r["seconds"] > 0 and r["frames_per_s"] == pytest.approx(150 / r["seconds"], rel=0.01)
