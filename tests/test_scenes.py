@@ -163,6 +163,16 @@ def test_a_brightening_flash_of_160_ms_is_not_a_scene():
     assert [(b.frame_index, b.kind) for b in out] == [(0, "start")]
 
 
+def test_flash_soon_after_a_cut_leaves_the_cut_its_keyframe():
+    """After a cut up to a brighter shot that keeps brightening (auto exposure), a white flash: the luma run that
+    leads into the flash begins at the cut, so the cut stays the keyframe (it is not taken for a fade-out)."""
+    a = _scene(1, 30, (200, 60, 40))
+    b = [np.clip(f.astype(int) + k, 0, 255).astype(np.uint8) for k, f in enumerate(_scene(2, 40, (90, 160, 230)))]
+    white = np.full_like(a[0], 255)
+    out = _run(a + b[:8] + [white, white] + b[10:])
+    assert [(x.frame_index, x.kind) for x in out] == [(0, "start"), (30, "cut")]
+
+
 def test_stream_ending_in_a_fade_out_to_black_adds_no_scene():
     a = _scene(2, 40, (200, 60, 40))
     fade = [np.round(a[-1] * w).astype(np.uint8) for w in np.linspace(1, 0, 15)[1:]]

@@ -356,6 +356,9 @@ class HistogramDetector(SceneDetector):
             self._arb.offer(SceneBoundary(rec["i"], t, round(d1, 6), "cut"), TIER_CUT)
             s["samples"] = [[t, rec["h"], rec["i"]]]  # restart the fade history in the new picture
             s["calm"] = None
+            run = s["run"]
+            if run is not None and run["i"] < rec["i"]:  # a fade-out can begin at the cut, not before it
+                s["run"] = {"dir": run["dir"], "i": rec["i"], "t": t, "h": rec["h"]}
         else:
             self._fade_step(rec)
         self._trim_qc()
