@@ -35,7 +35,8 @@ def _part(start: float, dur: float, fps: str | int = FPS) -> str:
             "format=yuv420p")
 
 
-# handheld_cut.mp4: 10 s of bigbuckbunny played forward then backward (one continuous shot), cropped to 40% with
+# handheld_cut.mp4: 10 s of bigbuckbunny (at 640x360) played forward then backward (one continuous shot), cropped
+# to 40% with
 # a handheld jitter around the lower left (grass, the bunny); at 9.44-9.64 s the camera swings to the upper right
 # (sky, trees); at 10.0 s (frame 250) a hard cut to carphone (played forward then backward, 5.28 s).
 HANDHELD_CUT_S = 10.0
@@ -78,7 +79,8 @@ def _commands(src: dict[str, str], out: Path) -> dict[str, list[str]]:
     cmds = {
         "handheld_cut.mp4": [
             "-i", src["bigbuckbunny"], "-i", src["carphone"], "-filter_complex",
-            "[0:v]trim=duration=5.28,setpts=PTS-STARTPTS,split[f][r0];[r0]reverse[r];[f][r]concat=n=2:v=1:a=0,"
+            "[0:v]trim=duration=5.28,setpts=PTS-STARTPTS,scale=640:360,split[f][r0];[r0]reverse[r];"
+            "[f][r]concat=n=2:v=1:a=0,"
             f"trim=duration={HANDHELD_CUT_S},setpts=PTS-STARTPTS,fps={FPS},"
             f"crop=w=iw*0.4:h=ih*0.4:x='{_SHAKE_X}':y='{_SHAKE_Y}',scale=320:180,setsar=1,format=yuv420p[a];"
             "[1:v]setpts=PTS-STARTPTS,split[g][s0];[s0]reverse[s];[g][s]concat=n=2:v=1:a=0,"
