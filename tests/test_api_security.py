@@ -148,7 +148,7 @@ def test_source_swapped_while_waiting_for_the_caption_lock_is_not_captioned(api,
         if lock.locked():
             client.portal.call(lock.release)
         _restore(root)
-    assert "tokens" not in record and record.get("tokens") != reference_tokens[1]
+    assert "tokens" not in record, record  # the old code captioned the outside picture here
     assert record == {"source": uri, "error": {"code": "unreadable_source",
                                                "message": f"{uri}: outside the allowed roots"}}
 
@@ -532,13 +532,15 @@ def test_credentials_never_reach_the_logs(served):
     url = f"ws://127.0.0.1:{served.port}/v1/subtitles"
 
     async def sockets():
-        await _ws_close(url + f"?token={KEY}")
-        await _ws_close(url + "?token=guessed-key-4")
-        await _ws_close(url, subprotocols=["specstream", f"specstream.key.{KEY_B64}"])
-        await _ws_close(url, subprotocols=["specstream", f"specstream.key.{wrong_b64}"])
+        for path, protocols in ((f"?token={KEY}", None), ("?token=guessed-key-4", None),
+                                ("", ["specstream", f"specstream.key.{KEY_B64}"]),
+                                ("", ["specstream", f"specstream.key.{wrong_b64}"])):
+            try:
+                await _ws_close(url + path, subprotocols=protocols)
+            except websockets.InvalidStatus:  # a handshake refused with an HTTP status: logged all the same
+                pass
 
     asyncio.run(sockets())
-    assert websockets  # the client library the sockets above used
     time.sleep(0.5)
     logs = served.logs()
     assert '"GET /healthz?token=*** HTTP/1.1" 200' in logs and '"GET /healthz?token=*** HTTP/1.1" 401' in logs
