@@ -99,6 +99,8 @@ def open_source(path: str | os.PathLike, allowed_roots: Sequence[str | os.PathLi
         raise UnreadableSourceError(f"no such file: {name}") from None
     except PermissionError:
         raise UnreadableSourceError(f"no permission to read: {name}") from None
+    except OSError as exc:  # a file where a directory should be, a symlink loop, a name too long
+        raise UnreadableSourceError(f"cannot open {name}: {exc.strerror}") from None
     if allowed_roots is not None and not any(_within(real, os.path.realpath(os.fspath(r))) for r in allowed_roots):
         raise UnreadableSourceError(f"{name}: outside the allowed roots")
     if _between_check_and_open is not None:
@@ -148,6 +150,8 @@ def _open_plain(p: str, name: str) -> int:
         raise UnreadableSourceError(f"no such file: {name}") from None
     except PermissionError:
         raise UnreadableSourceError(f"no permission to read: {name}") from None
+    except OSError as exc:
+        raise UnreadableSourceError(f"cannot open {name}: {exc.strerror}") from None
 
 
 def _open_without_symlinks(real: str, name: str) -> int:

@@ -237,6 +237,7 @@ def test_open_source_errors(tmp_path):
         str(root / "missing.png"): f"no such file: {root / 'missing.png'}",
         str(root): f"is a directory, not a media file: {root}",
         str(root / "fifo.mp4"): f"not a regular file: {root / 'fifo.mp4'}",  # opening it does not wait
+        str(root / "fifo.mp4" / "x.png"): f"cannot open {root / 'fifo.mp4' / 'x.png'}: Not a directory",
     }
     for path, message in cases.items():
         with pytest.raises(UnreadableSourceError) as exc:
