@@ -19,6 +19,7 @@ _FORMATS = {"PNG", "JPEG", "WEBP"}
 
 def load_image(path: str | os.PathLike) -> np.ndarray:
     """Load the image at ``path`` as ``[H, W, 3]`` uint8 RGB (alpha dropped, palette/greyscale converted).
+    ``path`` may be an opened source's ``/proc/self/fd/N`` (`specstream.modalities.source`).
 
     Raises `UnreadableSourceError` (missing, directory, unreadable, empty), `UnsupportedMediaError` (not a
     png/jpeg/webp image), `CorruptMediaError` (recognised but damaged, e.g. truncated).

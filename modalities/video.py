@@ -108,6 +108,32 @@ def _mp_context():
         return _ctx
 
 
+class _InheritedFd:
+    """An opened source's ``/proc/self/fd/N`` (`specstream.modalities.source`) on its way to a decoding child.
+
+    Pickled for the child as a duplicate of descriptor N (multiprocessing's ``DupFd``: the forkserver hands the
+    descriptor over as ``subprocess``'s ``pass_fds`` would) and rebuilt there as the child's own
+    ``/proc/self/fd/M``, so the child reads the very file this process opened and never opens its path."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        from specstream.modalities import _video_worker
+
+        return _video_worker.inherited_fd_path, (DupFd(self.fd),)
+
+
+def _for_child(path: str):
+    """The path argument of a child process: a descriptor name of this process crosses as the descriptor."""
+    from specstream.modalities.source import fd_of_path
+
+    fd = fd_of_path(path)
+    return path if fd is None else _InheritedFd(fd)
+
+
 def _raise(code: str, message: str):
     raise _ERRORS.get(code, CorruptMediaError)(message)
 
@@ -129,6 +155,8 @@ class VideoDecodeSession:
                 ...
             images = s.decode_full([f.timestamp_s for f in chosen])   # list of [H, W, 3] uint8
 
+    ``path`` may be an opened source's ``/proc/self/fd/N`` (`specstream.modalities.source`): the child then
+    receives a duplicate of that descriptor and never opens a path (the same holds for `decode_frames`).
     ``backend``: "auto" (decord when trusted, else PyAV), "decord" (fail when it cannot be used) or "pyav".
     ``stall_timeout_s``: seconds without any progress before the child is killed (`DecodeTimeoutError`; with
     "auto" a stalled decord is first replaced by PyAV resuming after the frames already delivered).
@@ -167,7 +195,7 @@ class VideoDecodeSession:
         parent, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_video_worker.proxy_session,
-            args=(child, self.path, self.proxy_long_side, backend, skip),
+            args=(child, _for_child(self.path), self.proxy_long_side, backend, skip),
             daemon=True,
             name=f"specstream-decode:{os.path.basename(self.path)}",
         )
@@ -345,7 +373,8 @@ def decode_frames(
     p = _check_path(path)
     ctx = _mp_context()
     parent, child = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=_video_worker.full_session, args=(child, p, [float(t) for t in timestamps_s]),
+    proc = ctx.Process(target=_video_worker.full_session,
+                       args=(child, _for_child(p), [float(t) for t in timestamps_s]),
                        daemon=True)
     proc.start()
     child.close()

@@ -62,16 +62,17 @@ def expand_inputs(inputs: list[str]) -> list[str]:
 async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt: str, max_new_tokens: int,
                             max_keyframes_per_minute: float | None, attention_maps: Path | None,
                             qos: str = "batch", progress=None, broker: InProcessBroker | None = None,
-                            max_in_flight: int = 8) -> CaptionJobSummary:
+                            max_in_flight: int = 8, allowed_roots: list[Path] | None = None) -> CaptionJobSummary:
     """Run the graph over ``inputs``; write one JSON line per caption / failed input to ``out``.
 
     ``broker``: the in-process broker to run on (default: one whose frames topic holds ``FRAMES_TOPIC_BOUND``
     frames); ``max_in_flight``: the caption stage's window. Together they bound the full-resolution frames in
-    memory, whatever the videos' length (backpressure back to the decoding child)."""
+    memory, whatever the videos' length (backpressure back to the decoding child). ``allowed_roots``: directories
+    the inputs must lie in, checked when each is opened (None: any path; the command line's own inputs)."""
     summary = CaptionJobSummary(inputs=len(inputs))
     if broker is None:
         broker = InProcessBroker(topic_maxsize={TOPIC_FRAMES: FRAMES_TOPIC_BOUND})
-    kstage = KeyframeStage(broker)
+    kstage = KeyframeStage(broker, allowed_roots)
     cstage = CaptionStage(broker, captioner, attention_maps, max_in_flight=max_in_flight)
     params = {"prompt": prompt, "max_new_tokens": max_new_tokens}
     if max_keyframes_per_minute:

@@ -79,6 +79,13 @@ class UnreadableSourceError(MediaError):
     code = "unreadable_source"
 
 
+class SourceChangedError(UnreadableSourceError):
+    """The source's path changed between the allowed-roots check and the open (a symlink or another file swapped
+    in for the file or for one of its directories); nothing was read from it."""
+
+    code = "source_changed"
+
+
 class UnsupportedMediaError(MediaError):
     """The source is readable but is not a container/codec we can decode (e.g. a text file named ``.mp4``)."""
 

@@ -32,6 +32,7 @@ from specstream.errors import (
     UnsupportedMediaError,
     UnsupportedTaskError,
 )
+from specstream.modalities.source import open_source
 from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, Broker, Message
 from specstream.pipeline.messages import CaptionParams, ErrorInfo, PipelineRequest, PipelineResult
 from specstream.schedulers.plan import EncodeItem, EncodeWork, Request
@@ -160,8 +161,11 @@ class KeyframeStage:
 
     async def _emit_error(self, req: PipelineRequest, source: str, params, exc: SpecstreamError,
                           seq: int = 0) -> None:
+        from specstream.modalities.source import name_fd_paths
+
+        info = ErrorInfo(code=exc.code, message=name_fd_paths(exc.message, source))  # the source's name, not its fd
         await self.broker.publish(TOPIC_FRAMES, req.id, FrameTask(
-            req.id, source, "unknown", params, req.qos, error=ErrorInfo(**exc.to_dict()), last=True, seq=seq))
+            req.id, source, "unknown", params, req.qos, error=info, last=True, seq=seq))
 
     async def _handle(self, req: PipelineRequest) -> None:
         source = req.source.uri or req.source.filename or f"inline:{req.id}"
@@ -174,10 +178,14 @@ class KeyframeStage:
         except Exception as exc:
             await self._emit_error(req, source, CaptionParams(), InvalidRequestError(f"bad params: {exc}"))
             return
-        tmp = None
+        tmp = opened = None
         try:
             path, source, tmp = resolve_source(req, self.allowed_roots, self.max_source_bytes)
             kind = media_kind(req.source.filename or path)
+            # the one open of the source (checked against the roots again, symlinks swapped in since refused):
+            # everything below reads this descriptor, never the path
+            opened = open_source(path, None if tmp else self.allowed_roots, self.max_source_bytes)
+            path = opened.path
             if kind == "image":
                 from specstream.modalities.image import load_image
 
@@ -195,6 +203,8 @@ class KeyframeStage:
         except SpecstreamError as exc:
             await self._emit_error(req, source, params, exc)
         finally:
+            if opened is not None:
+                opened.close()
             if tmp:
                 os.unlink(tmp)
 
