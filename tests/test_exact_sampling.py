@@ -210,7 +210,7 @@ def test_enumerated_first_tokens_equal_the_target(lms, name):
     want = {s: p[s[0]] * p[s[1]] for s in itertools.product(range(V), repeat=2)}
     err = max(abs(total.get(s, 0.0) - w) for s, w in want.items())
     assert err < 2e-6, f"{name}: max error {err:.2e} over the first two tokens"
-    assert len(sizes) > 1 or name == "width1"  # duplicates really happened: trees of several sizes
+    assert len(sizes) > 1 or name in ("width1", "width3-budget2")  # duplicates happened: trees of several sizes
 
 
 def test_the_enumeration_detects_value_dependent_cuts_and_regrouping(lms):

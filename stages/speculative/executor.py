@@ -412,7 +412,9 @@ class SpeculativeExecutor:
                            tree_anc: torch.Tensor | None) -> list[RequestStepResult]:
         device = logits.device
         b, r_max, v = logits.shape
-        finite = torch.isfinite(logits).all(-1)  # [B, R], before processors add their -inf
+        # [B, R] finite rows of the raw logits (before processors add their -inf); one reduction, padding ignored
+        n_rows = torch.tensor([1 if r.is_prefill else len(r.tokens) for r in rows], device=device)
+        finite = torch.isfinite(logits.sum(-1)) | (torch.arange(r_max, device=device)[None, :] >= n_rows[:, None])
         if any(r.request.logits_processors for r in rows):
             logits = logits.clone()  # an inference tensor cannot be edited in place
             for i, r in enumerate(rows):
@@ -420,54 +422,49 @@ class SpeculativeExecutor:
                 if procs:
                     n = 1 if r.is_prefill else len(r.tokens)
                     logits[i, :n] = apply_logits_processors(procs, self._histories(r), logits[i, :n])
+        greedy = [r.request.sampling.greedy for r in rows]
         dec_idx = [i for i, r in enumerate(rows) if not r.is_prefill]
+        pre_idx = [i for i, r in enumerate(rows) if r.is_prefill]
         depth = sub.max_depth if sub is not None else 0
         last = torch.zeros(b, dtype=torch.long, device=device)
         bonus = torch.zeros(b, dtype=torch.long, device=device)
-        sampled_rows = [i for i, r in enumerate(rows) if not r.request.sampling.greedy]
-        probs = self._target_probs(rows, logits, sampled_rows) if sampled_rows else None
-        greedy_rows = [i for i, r in enumerate(rows) if r.request.sampling.greedy]
-        argmax = logits.argmax(-1) if greedy_rows else None  # [B, R]
+        argmax = logits.argmax(-1) if any(greedy) else None  # [B, R]
         uniforms = self._uniforms(rows, sub)
-        pos_of = {i: k for k, i in enumerate(dec_idx)}
         if dec_idx:
-            d = torch.tensor(dec_idx, device=device)
-            g = [pos_of[i] for i in dec_idx if rows[i].request.sampling.greedy]
-            s = [pos_of[i] for i in dec_idx if not rows[i].request.sampling.greedy]
             w = sub.width
-            for part, greedy in ((g, True), (s, False)):
+            pos_of = {i: k for k, i in enumerate(dec_idx)}
+            for want_greedy in (True, False):
+                part = [i for i in dec_idx if greedy[i] == want_greedy]
                 if not part:
                     continue
-                sel = self._subset(sub, part)
-                rows_sel = d[torch.tensor(part, device=device)]
-                anc_sel = tree_anc if len(part) == len(dec_idx) else tree_anc[torch.tensor(part, device=device)]
-                if greedy:
+                sel = self._subset(sub, [pos_of[i] for i in part])
+                rows_sel = torch.tensor(part, device=device)
+                anc_sel = tree_anc if len(part) == len(dec_idx) else tree_anc[
+                    torch.tensor([pos_of[i] for i in part], device=device)]
+                if want_greedy:
                     out = verify_greedy_batch(argmax[rows_sel, :w], sel, anc_sel)
                 else:
-                    out = verify_stochastic_batch(probs[rows_sel, :w], sel, uniforms[rows_sel])
+                    probs = self._target_probs([rows[i] for i in part], logits[rows_sel, :w])
+                    out = verify_stochastic_batch(probs, sel, uniforms[rows_sel])
                 last[rows_sel] = out.last
                 bonus[rows_sel] = out.bonus
         # prefill rows: the first token from the last prompt row (logits row 0)
-        pre = [i for i, r in enumerate(rows) if r.is_prefill]
-        if pre:
-            p = torch.tensor(pre, device=device)
-            pg = [i for i in pre if rows[i].request.sampling.greedy]
-            ps = [i for i in pre if not rows[i].request.sampling.greedy]
-            if pg:
-                gi = torch.tensor(pg, device=device)
-                bonus[gi] = argmax[gi, 0]
-            if ps:
-                si = torch.tensor(ps, device=device)
-                bonus[si] = sample_inverse_cdf(probs[si, 0], uniforms[si, 0])
-            last[p] = 0
+        pg = [i for i in pre_idx if greedy[i]]
+        ps = [i for i in pre_idx if not greedy[i]]
+        if pg:
+            gi = torch.tensor(pg, device=device)
+            bonus[gi] = argmax[gi, 0]
+        if ps:
+            si = torch.tensor(ps, device=device)
+            probs = self._target_probs([rows[i] for i in ps], logits[si, :1])
+            bonus[si] = sample_inverse_cdf(probs[:, 0], uniforms[si, 0])
         # the committed path (root..last) and its finite check, per row
         width = depth + 1
         path = torch.zeros((b, width), dtype=torch.long, device=device)
         ok = finite[:, 0].clone()
         if dec_idx:
             d = torch.tensor(dec_idx, device=device)
-            ptree = path_from_last(last[d], tree_anc, sub.depths, depth)  # [Bd, D+1], -1 padded
-            path[d] = ptree
+            path[d] = path_from_last(last[d], tree_anc, sub.depths, depth)  # [Bd, D+1], -1 padded
             visited = torch.gather(tree_anc, 1, last[d][:, None, None].expand(-1, 1, tree_anc.shape[2]))[:, 0]
             ok[d] = ~(visited & ~finite[d, : sub.width]).any(-1)
         # a non-finite node off the committed path: its cache columns are zeroed after the commit
@@ -476,24 +473,27 @@ class SpeculativeExecutor:
         payload = [ok.to(torch.float64)[:, None], stale_nan.double()[:, None], last.double()[:, None],
                    bonus.double()[:, None], path.double()]
         if want_lp:
-            payload.append(self._committed_logprobs(rows, logits, probs, path, last, bonus, sub, dec_idx).double())
+            payload.append(self._committed_logprobs(rows, logits, path, last, bonus, sub, dec_idx).double())
         host = torch.cat(payload, 1).tolist()  # the one host copy of the verification
         visual = self._visual_attention(rows, attn)
         return self._commit(rows, host, width, want_lp, visual)
 
-    def _target_probs(self, rows: list[_Row], logits: torch.Tensor, sampled_rows: list[int]) -> torch.Tensor:
-        """Target distributions after each sampled row's warpers, ``[B, R, V]`` float32 (greedy rows zero),
+    @staticmethod
+    def _target_probs(rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        """Target distributions ``[n, R, V]`` (float32) of ``logits`` ``[n, R, V]`` after each row's warpers,
         batched per distinct sampling parameters."""
-        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         groups: dict[tuple, list[int]] = {}
-        for i in sampled_rows:
-            sp = rows[i].request.sampling
+        for i, r in enumerate(rows):
+            sp = r.request.sampling
             groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(i)
+        flat = lambda x: x.reshape(-1, x.shape[-1]).nan_to_num(neginf=-1e30, posinf=1e30)  # noqa: E731
+        if len(groups) == 1:
+            return target_probs(flat(logits), rows[0].request.sampling, torch.float32).reshape(logits.shape)
+        probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         for idx in groups.values():
             sel = torch.tensor(idx, device=logits.device)
-            chunk = logits[sel]
-            flat = chunk.reshape(-1, chunk.shape[-1]).nan_to_num(neginf=-1e30, posinf=1e30)
-            probs[sel] = target_probs(flat, rows[idx[0]].request.sampling).float().reshape(chunk.shape)
+            probs[sel] = target_probs(flat(logits[sel]), rows[idx[0]].request.sampling, torch.float32).reshape(
+                (len(idx),) + tuple(logits.shape[1:]))
         return probs
 
     def _uniforms(self, rows: list[_Row], sub: CompiledTrees | None) -> torch.Tensor:
@@ -517,9 +517,10 @@ class SpeculativeExecutor:
         return torch.tensor([x + [0.0] * (width - len(x)) for x in lists], dtype=torch.float64,
                             device=self.target.device)
 
-    @staticmethod
-    def _committed_logprobs(rows, logits, probs, path, last, bonus, sub, dec_idx) -> torch.Tensor:
-        """Log-probability of every committed token at the row that verified it, ``[B, D+1]`` (device).
+    def _committed_logprobs(self, rows, logits, path, last, bonus, sub, dec_idx) -> torch.Tensor:
+        """Log-probability of every committed token at the row that verified it, ``[B, D+1]`` (device): the
+        log-softmax of the processed logits (greedy rows) or the log of the warped target distribution (sampled
+        rows).
 
         Committed token ``k`` is path node ``k+1``'s token for ``k < accepted``, the bonus at ``k = accepted``;
         it was predicted by path node ``k`` (a prefill: logits row 0)."""
@@ -530,18 +531,19 @@ class SpeculativeExecutor:
         depth_last = torch.zeros(b, dtype=torch.long, device=device)
         if dec_idx:
             d = torch.tensor(dec_idx, device=device)
-            nxt = path[d, 1:].clamp(min=0)
-            tok[d, :-1] = torch.gather(sub.tokens, 1, nxt) if width > 1 else tok[d, :-1]
+            if width > 1:
+                tok[d, :-1] = torch.gather(sub.tokens, 1, path[d, 1:].clamp(min=0))
             depth_last[d] = torch.gather(sub.depths, 1, last[d][:, None])[:, 0]
         ar = torch.arange(width, device=device)[None, :]
         tok = torch.where(ar == depth_last[:, None], bonus[:, None], tok)
-        sel = torch.gather(logits, 1, rows_idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, D+1, V]
-        lp = sel.float().gather(2, tok[:, :, None])[:, :, 0] - torch.logsumexp(sel.float(), -1)
-        if probs is not None:
-            samp = torch.tensor([not r.request.sampling.greedy for r in rows], device=device)
-            psel = torch.gather(probs, 1, rows_idx[:, :, None].expand(-1, -1, probs.shape[-1]))
-            plp = torch.log(psel.gather(2, tok[:, :, None])[:, :, 0].double().clamp_min(1e-300)).float()
-            lp = torch.where(samp[:, None], plp, lp)
+        sel = torch.gather(logits, 1, rows_idx[:, :, None].expand(-1, -1, logits.shape[-1])).float()  # [B, D+1, V]
+        lp = sel.gather(2, tok[:, :, None])[:, :, 0] - torch.logsumexp(sel, -1)
+        sampled = [i for i, r in enumerate(rows) if not r.request.sampling.greedy]
+        if sampled:
+            si = torch.tensor(sampled, device=device)
+            probs = self._target_probs([rows[i] for i in sampled], sel[si])
+            plp = torch.log(probs.gather(2, tok[si][:, :, None])[:, :, 0].double().clamp_min(1e-300)).float()
+            lp[si] = plp
         return lp
 
     def _visual_attention(self, rows: list[_Row], attn: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
