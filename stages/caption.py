@@ -340,11 +340,10 @@ class Captioner:
             pos = prepared.visual_positions
             if pos[-1] - pos[0] + 1 == len(pos):
                 span = (pos[0], pos[-1] + 1)
-        req = self.engine.make_request(prepared.input_ids, max_new_tokens, request_id=rid, qos=qos,
-                                       encodes=(item,), draft_prompt_ids=prepared.draft_ids, visual_span=span)
-        if self.temporal is not None and hypothesis:
-            self.temporal.set_hypothesis(rid, hypothesis)
-        return req
+        return self.engine.make_request(prepared.input_ids, max_new_tokens, request_id=rid, qos=qos,
+                                        encodes=(item,), draft_prompt_ids=prepared.draft_ids, visual_span=span,
+                                        draft_hypothesis=tuple(hypothesis) if self.temporal is not None and hypothesis
+                                        else None)
 
     def text(self, tokens: list[int]) -> str:
         eos = set(self.vlm.eos_token_ids)

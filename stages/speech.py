@@ -239,10 +239,9 @@ class SpeechModel:
             p = prompt
             if previous is not None and previous[i] and self.tokens.sot_prev is not None:
                 p = [self.tokens.sot_prev, *previous[i]] + prompt
+            hyp = None if temporal is None or hypotheses is None or hypotheses[i] is None else tuple(hypotheses[i])
             req = engine.make_request(p, min(limit, self.max_target_positions - len(p)), speculate=speculate,
-                                      logits_processors=self.logits_processors(len(p)))
-            if temporal is not None and hypotheses is not None and hypotheses[i] is not None:
-                temporal.set_hypothesis(req.request_id, hypotheses[i])
+                                      logits_processors=self.logits_processors(len(p)), draft_hypothesis=hyp)
             reqs.append(engine.add_request(req, encoder_output=enc))
         engine.run()
         out = []

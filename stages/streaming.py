@@ -323,9 +323,8 @@ class SpeechService:
         item = EncodeItem(f"{rid}/audio", "audio", float(seconds))
         req = self.engine.make_request(prompt, min(max_new_tokens, sm.max_target_positions - len(prompt)),
                                        request_id=rid, speculate=speculate, qos="realtime", encodes=(item,),
-                                       logits_processors=sm.logits_processors(len(prompt)))
-        if hypothesis and speculate:
-            self.temporal.set_hypothesis(rid, list(hypothesis))
+                                       logits_processors=sm.logits_processors(len(prompt)),
+                                       draft_hypothesis=tuple(hypothesis) if hypothesis and speculate else None)
         self._windows[item.item_id] = window
         t0 = time.perf_counter()
         try:

@@ -178,6 +178,7 @@ class SpeculativeEngine:
             raise InvalidRequestError("this target decoder needs an encoder output per request (given here, or "
                                       "stored in executor.encoder_outputs by the encoder of its encode items)")
         self.scheduler.add(request)
+        self.executor.admit(request)
         if encoder_output is not None:
             self.executor.encoder_outputs[request.request_id] = encoder_output
         if on_tokens is not None:
