@@ -126,6 +126,19 @@ class UnsupportedTaskError(InvalidRequestError):
     code = "unsupported_task"
 
 
+class BrokerUnreachableError(SpecstreamError):
+    """No Kafka broker of the configured bootstrap address answers."""
+
+    code = "broker_unreachable"
+    retryable = True
+
+
+class MessageTooLargeError(SpecstreamError):
+    """A message is larger than the broker accepts (``max_message_bytes``); our producer refuses it unsent."""
+
+    code = "message_too_large"
+
+
 # --- real weights (pipeline/models_fetch.py) ------------------------------------------------------------------
 
 
