@@ -363,7 +363,8 @@ def worker_main(argv: list[str]) -> int:
         leftovers = asyncio.all_tasks(loop)
         for task in leftovers:
             task.cancel()
-        loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+        if leftovers:
+            loop.run_until_complete(asyncio.wait(leftovers))
         loop.run_until_complete(loop.shutdown_asyncgens())
     finally:
         loop.close()  # unlike asyncio.run, does not wait for the default executor's threads

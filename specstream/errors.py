@@ -6,6 +6,8 @@ all use them.
 
 from __future__ import annotations
 
+import json
+
 
 class SpecstreamError(Exception):
     """Base class. ``code`` is a stable snake_case identifier; ``retryable`` tells clients whether to retry."""
@@ -19,6 +21,15 @@ class SpecstreamError(Exception):
 
     def to_dict(self) -> dict[str, str]:
         return {"code": self.code, "message": self.message}
+
+
+def error_line(code: str, message: str, as_json: bool = False) -> str:
+    """The one line a command reports a fatal error with on stderr: ``error [code]: message`` for people, or
+    ``{"error": {"code": ..., "message": ...}}`` in the JSON output modes (``--json``, ``--format jsonl``), the
+    shape error records have in JSON output. Argument-syntax errors keep argparse's ``usage:``/``error:`` lines."""
+    if as_json:
+        return json.dumps({"error": {"code": code, "message": message}})
+    return f"error [{code}]: {message}"
 
 
 class CheckpointNotFoundError(SpecstreamError):
