@@ -119,3 +119,19 @@ def test_media_recognised_by_content(tmp_path, src, clips):
         media_kind(str(d / "notes.txt"))
     assert [Path(p).name for p in expand_inputs([str(d)])] == ["anim", "clip", "clip.png", "empty.mp4", "photo",
                                                               "rocket.bin"]
+
+
+def test_upload_without_extension_is_recognised_by_content(src):
+    """``POST /v1/captions`` with a PNG uploaded as ``photo`` (no extension): captioned as an image (before:
+    ``unsupported_media``)."""
+    from fastapi.testclient import TestClient
+
+    from specstream.pipeline.server import ServerSettings, create_app
+
+    client = TestClient(create_app(ServerSettings()))
+    data = Path(src["astronaut"]).read_bytes()
+    res = client.post("/v1/captions", files={"file": ("photo", data, "application/octet-stream")},
+                      data={"max_new_tokens": "2"})
+    assert res.status_code == 200, res.text
+    (rec,) = res.json()["records"]
+    assert (rec["source"], rec["kind"], len(rec["tokens"])) == ("photo", "image", 2)
