@@ -516,12 +516,12 @@ class CaptionStage:
                 return hypothesis
             msg.done()
             return hypothesis
-        msg.done()
         if tokens is not None and self.chain_store is not None and not frame.last:
-            try:  # after done(): the result is out; a lost chain entry only slows a redelivered successor
+            try:  # before done(), so a redelivered successor drafts from it; lost, it only costs speed
                 await self.chain_store.put(frame.request_id, frame.seq, tokens)
             except Exception:
                 log.exception("frame %s/%s: previous caption not stored", frame.request_id, frame.seq)
+        msg.done()
         return tokens
 
     async def _publish_error(self, frame: FrameTask, error: ErrorInfo) -> bool:
