@@ -49,6 +49,22 @@ def load_image(path: str | os.PathLike) -> np.ndarray:
     return np.asarray(rgb, dtype=np.uint8)
 
 
+def sniff_image(path: str | os.PathLike) -> str | None:
+    """Pillow's name of the image format the file at ``path`` holds (``"PNG"``, ``"JPEG"``, ...), judged by its
+    content: Pillow reads the header only, nothing is decoded. None when Pillow recognises no image, or the file
+    cannot be read (the loader then reports why). Call :func:`~specstream.modalities.video.sniff_container`
+    first: Pillow also opens GIF animations, which specstream treats as videos."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return None
+    try:
+        with Image.open(os.fspath(path)) as im:
+            return im.format
+    except Exception:  # unidentified, unreadable, a decompression bomb: the loader says which
+        return None
+
+
 def is_image_path(path: str | os.PathLike) -> bool:
     """True when the file name has an image extension (png, jpg, jpeg, webp)."""
     return os.path.splitext(os.fspath(path))[1].lower() in IMAGE_EXTENSIONS

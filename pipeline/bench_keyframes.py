@@ -134,7 +134,7 @@ def run_keyframes_bench(path: str | None = None, out_json: str | None = None, re
             "select_pyav_vs_ffmpeg": round(
                 results["ffmpeg"]["seconds"] / results["select_keyframes_pyav"]["seconds"], 3),
         },
-        "goal": "select_vs_ffmpeg >= 0.8",
+        "required": "select_vs_ffmpeg >= 0.8",
     }
     if out_json:
         with open(out_json, "w") as f:

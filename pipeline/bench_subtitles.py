@@ -313,8 +313,8 @@ def plot(out: dict, path: Path) -> None:
                        textcoords="offset points", xytext=(5, 5))
         if "faster_whisper_whole_file_wer" in out:
             a.axhline(out["faster_whisper_whole_file_wer"] + 0.10, color="red", ls="--",
-                      label="goal: faster-whisper whole file + 0.10")
-        a.axvline(2.5, color="grey", ls=":", label="goal: p95 2.5 s (2 cores)")
+                      label="required: faster-whisper whole file + 0.10")
+        a.axvline(2.5, color="grey", ls=":", label="required: p95 2.5 s (2 cores)")
         a.set_xlabel("final latency p95 (s)")
         a.set_ylabel("WER of finals")
         a.set_title("commit policy: agreement span")

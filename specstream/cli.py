@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from specstream.errors import InvalidRequestError, SpecstreamError
+from specstream.errors import InvalidRequestError, SpecstreamError, error_line
 
 EXIT_INPUT_ERROR = 2
 
@@ -71,8 +71,7 @@ def cmd_generate(args) -> int:
     try:
         tree = TreeSpec.parse(args.tree)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
+        raise InvalidRequestError(str(exc)) from None
     drafts = [] if args.no_speculation else list(args.draft)
     ngram = False if args.no_speculation else (args.ngram or not args.draft)
     config = EngineConfig(num_slots=max(1, min(args.num_slots, max(1, len(prompts) or 1))), max_len=args.max_len,
@@ -84,8 +83,7 @@ def cmd_generate(args) -> int:
             raise SpecstreamError(f"--prompt needs a tokenizer.json in {args.target}; use --prompt-ids instead")
         prompts.insert(0, engine.tokenizer.encode(args.prompt).ids)
     if not prompts:
-        print("error: give --prompt-ids, --prompt-ids-file or --prompt", file=sys.stderr)
-        return EXIT_INPUT_ERROR
+        raise InvalidRequestError("give --prompt-ids, --prompt-ids-file or --prompt")
     reqs = []
     for i, ids in enumerate(prompts):
         sampling = SamplingParams(args.mode, args.temperature, args.top_k, args.top_p, args.seed + i)
@@ -139,8 +137,7 @@ def cmd_caption(args) -> int:
     try:
         TreeSpec.parse(args.tree)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
+        raise InvalidRequestError(str(exc)) from None
     summary = run_caption_job(args.inputs, args.out, args.target, args.draft, args.prompt, args.max_new_tokens,
                               args.max_keyframes_per_minute, args.attention_maps, args.tree,
                               temporal=not args.no_temporal, visual_aware=not args.no_visual_aware,
@@ -230,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             return code
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except SpecstreamError as exc:
-        print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
+    except SpecstreamError as exc:  # one line on stderr; JSON in the --json output mode
+        print(error_line(exc.code, exc.message, as_json="--json" in argv), file=sys.stderr)
         return EXIT_INPUT_ERROR
     except KeyboardInterrupt:
         return 130

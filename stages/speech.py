@@ -33,7 +33,7 @@ from typing import TextIO
 import numpy as np
 import torch
 
-from specstream.errors import InvalidRequestError, SpecstreamError
+from specstream.errors import InvalidRequestError, SpecstreamError, error_line
 from specstream.modalities.audio import (
     FRAMES_PER_SECOND,
     SAMPLE_RATE,
@@ -434,16 +434,16 @@ def transcribe_main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    as_json = args.format == "jsonl"  # errors in the output mode's format (errors.error_line)
     if args.batch_size < 1:
-        parser.print_usage(sys.stderr)
-        print("specstream transcribe: error: --batch-size must be >= 1", file=sys.stderr)
+        print(error_line("invalid_request", "--batch-size must be >= 1", as_json), file=sys.stderr)
         return 2
     try:
         result = transcribe(args.source, args.model, drafter=args.drafter, speculate=not args.no_speculate,
                             batch_size=args.batch_size, language=args.language, device=args.device,
                             dtype=args.dtype)
     except SpecstreamError as exc:
-        print(json.dumps({"error": exc.to_dict()}), file=sys.stderr)
+        print(error_line(exc.code, exc.message, as_json), file=sys.stderr)
         return 1
     writer = WRITERS[args.format]
     if args.output:

@@ -114,3 +114,27 @@ def test_serve_rejects_bad_settings_with_a_clear_message(capsys, monkeypatch):
     assert main(["serve"]) == 2
     err = capsys.readouterr().err
     assert "min_hop_s (SPECSTREAM_MIN_HOP_S)" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(180)
+def test_caption_prompt_longer_than_the_context_ends_as_error_records(tmp_path, capsys, monkeypatch, src):
+    """A 1000-word prompt overflows the context with the image tokens: each input gets its error record
+    (``context_length_exceeded``) and the command exits 1 (before: it hung with an empty output). The progress
+    bar counts inputs against their total; counts read "1 input", "2 inputs"."""
+    from specstream.cli import main
+    from specstream.pipeline.caption_job import CaptionJobSummary
+
+    out = tmp_path / "c.jsonl"
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the progress bar is drawn on a terminal only
+    code = main(["caption", src["astronaut"], src["rocket"], "--prompt", " ".join(["word"] * 1000),
+                 "--out", str(out), "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["source"] for r in records] == [src["astronaut"], src["rocket"]]
+    assert {r["error"]["code"] for r in records} == {"context_length_exceeded"}
+    assert "captioning: 100%" in err and "| 2/2 [" in err and " input/s" in err and "failed=2" in err
+    assert "2 inputs (2 failed): 2 frames decoded, 2 keyframes, 0 captions, 0 tokens in" in err
+    one = CaptionJobSummary(inputs=1, frames_decoded=1, keyframes=1, captions=1, tokens=1, target_steps=1,
+                            seconds=1.0).line()
+    assert one.startswith("1 input (0 failed): 1 frame decoded, 1 keyframe, 1 caption, 1 token in 1.0 s")

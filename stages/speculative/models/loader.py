@@ -129,7 +129,7 @@ def resolve_checkpoint(name_or_path: str | os.PathLike) -> Checkpoint:
             f"cannot load {name!r}: it is not a local directory and the Hugging Face hub could not provide it "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Missing files: config.json, "
             f"model*.safetensors (and tokenizer.json). On a machine with hub access run "
-            f"`huggingface-cli download {name} --local-dir DIR` and pass DIR instead."
+            f"`hf download {name} --local-dir DIR` (the huggingface_hub command) and pass DIR instead."
         ) from None
     return resolve_checkpoint(local)
 
