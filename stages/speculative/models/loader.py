@@ -168,7 +168,8 @@ def load_decoder(
     checkpoint: Checkpoint | str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ):
     """Build the decoder runtime of a checkpoint and load its weights (strict: every tensor must exist):
-    a :class:`LlamaDecoder` for Llama-family models, a ``WhisperDecoder`` for Whisper.
+    a :class:`LlamaDecoder` for Llama-family models, a ``WhisperDecoder`` for Whisper. On the CPU the Llama
+    decoder's linear layers are pre-packed for oneDNN (:mod:`specstream.kernels.linear`).
 
     Raises:
         CheckpointNotFoundError, UnsupportedArchitectureError.
@@ -202,6 +203,9 @@ def load_decoder(
     model.tie_weights()
     model.to(parse_dtype(dtype))
     model.eval()
+    from specstream.kernels.linear import pack_linears
+
+    pack_linears(model)  # CPU: oneDNN pre-packed weights (small-batch products without repacking)
     return model
 
 
