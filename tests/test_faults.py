@@ -299,7 +299,7 @@ def assert_well_formed(tasks: list) -> None:
 KEYFRAME_FAULTS = {
     # name: (installer(broker, monkeypatch), request hit, frame tasks published before the error, message)
     "media_kind": (lambda b, mp: fail_once(caption_mod, "media_kind", mp,
-                                           when=lambda path, name=None: path.endswith(".png")),
+                                           when=lambda path, name=None: str(name).endswith(".png")),
                    "image", 0, "Injected: injected at media_kind"),
     "load_image": (lambda b, mp: fail_once(image_mod, "load_image", mp), "image", 0,
                    "Injected: injected at load_image"),
@@ -368,8 +368,10 @@ def run_live_stage(frames, setup=None, dead_letter=None):
     return asyncio.run(go())
 
 
-def live_frames(image, n=6):
-    """One still shot at 25 fps: the selector reports its start (frame 0) when frame 4 arrives."""
+def live_frames(image, n=60):
+    """One still shot at 25 fps, 2.4 s: the selector reports its start (frame 0) at frame 45, once no stronger
+    boundary can
+    follow within the minimum scene length."""
     data = jpeg(image)
     return [("cam", data, {"stream_id": "cam", "pts": f"{0.04 * i:.2f}"}) for i in range(n)]
 
@@ -392,7 +394,7 @@ def test_live_stage_failure_at_each_await_point_is_the_streams_error(point, imag
     assert "injected" in errors[0].error.message
     seqs = sorted(s for s, _ in out)
     assert seqs == list(range(len(seqs)))  # the error took its own seq; nothing renumbered
-    assert sorted(a[3] for a in broker.acks(TOPIC_LIVE_FRAMES)) == list(range(6))  # every frame released once
+    assert sorted(a[3] for a in broker.acks(TOPIC_LIVE_FRAMES)) == list(range(60))  # every frame released once
 
 
 def test_live_frame_without_stream_whose_dead_letter_fails_once_is_retried(image, monkeypatch):
