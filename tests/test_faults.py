@@ -370,8 +370,7 @@ def run_live_stage(frames, setup=None, dead_letter=None):
 
 def live_frames(image, n=60):
     """One still shot at 25 fps, 2.4 s: the selector reports its start (frame 0) at frame 45, once no stronger
-    boundary can
-    follow within the minimum scene length."""
+    boundary can follow within the minimum scene length."""
     data = jpeg(image)
     return [("cam", data, {"stream_id": "cam", "pts": f"{0.04 * i:.2f}"}) for i in range(n)]
 

@@ -10,7 +10,7 @@ Frames flow through these steps, each waiting only for the frames it needs:
    flash (or a dropout): a camera flash or a strobe of up to ``max_flash_s``, however many frames that is. A
    frame whose luma standard deviation is below ``blank_std`` is *blank* (near-uniform: black, white, a flat
    colour). Flash and blank frames are never keyframes; they open an *excursion* (step 2). Looking at both
-   sides of a spike is the idea discussed in PySceneDetect's issue #35 (rav1e's scene-change detector compares
+   sides of a spike is the idea discussed in PySceneDetect's bug report 35 (rav1e's scene-change detector compares
    the frame before a change with the frames after it); here on luma, and over seconds rather than frames.
 2. **Excursions: flashes, dips and fades through black or white.** When an excursion opens, the frames of a
    fade-out leading into it (the current run of luma steps of at least ``ramp_luma_step`` towards the flash or
@@ -21,9 +21,9 @@ Frames flow through these steps, each waiting only for the frames it needs:
    frame). If its histogram differs from the reference by at least ``cut_threshold``, the excursion was a
    transition: one boundary, on that stable frame. If not, it was a flash or a dip inside one shot: no boundary
    at all. This replaces a frame-count rule (PySceneDetect's ``ThresholdDetector`` puts a cut at every return
-   from black, and a minimum fade-out length was added there for short dips, its issue #278) by comparing the
+   from black, and a minimum fade-out length was added there for short dips, its report 278) by comparing the
    pictures on both sides, so a dip of any length inside one shot is no scene, and a fade through white or black
-   (its issue #143) gives one.
+   (its report 143) gives one.
 3. **Cuts** (lag ``adaptive_window`` usable frames): ``d1`` = histogram distance to the previous usable frame. A
    frame is a cut candidate when ``d1 >= cut_threshold`` and ``d1 >= adaptive_ratio *`` the mean ``d1`` of its
    ``adaptive_window`` neighbours on each side (PySceneDetect's AdaptiveDetector rule): a cut is a spike, while
