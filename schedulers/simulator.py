@@ -173,20 +173,23 @@ class SimExecutor:
         return self._budgets[rid]
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        for rid, slot in plan.released:
+        for rid, slot, *_ in plan.released:
             self.lengths.pop(slot, None)
             self._carry.pop(rid, None)
             self._budgets.pop(rid, None)
-        for rid, slot in plan.preempted:
+        for rid, slot, *_ in plan.preempted:
             self.lengths.pop(slot, None)
         encoded = tuple(EncodeResult(rid, item.item_id) for w in plan.encodes for rid, item in w.items)
         results = []
         peak = sum(self.lengths.values())
         for work in plan.prefills:
             req = work.request
-            self.lengths[work.slot] = len(work.tokens)
-            peak += len(work.tokens)
-            results.append(self._commit(req, 0, 0, True))
+            self.lengths[work.slot] = work.start + work.num_tokens
+            peak += work.num_tokens
+            if work.final:
+                results.append(self._commit(req, 0, 0, True))
+            else:  # a chunk of a longer prefill: cached, nothing committed yet
+                results.append(RequestStepResult(req.request_id, is_prefill=True, prefill_done=False))
         for work in plan.decodes:
             req = work.request
             peak += work.node_budget

@@ -177,3 +177,9 @@ class InsufficientSpaceError(SpecstreamError):
     """Too little free disk space for a download or conversion; nothing was started."""
 
     code = "insufficient_space"
+
+
+class ModelNotLoadedError(InvalidRequestError):
+    """The request names a model this process does not serve (not configured, or it failed to load)."""
+
+    code = "model_not_loaded"

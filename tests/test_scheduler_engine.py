@@ -58,7 +58,7 @@ def test_preempted_and_resumed_output_is_unchanged(ckpts):
     engine.step()
     plan = engine.scheduler.last_plan
     assert [p.request.request_id for p in plan.prefills] == ["rt"]
-    assert [rid for rid, _ in plan.preempted] == ["b2"]  # the most recently admitted batch request
+    assert [e[0] for e in plan.preempted] == ["b2"]  # the most recently admitted batch request
     engine.run()
     assert batch[2].preemptions == 1 and rt.finish_reason == "length"
     for got, want in zip(batch, ref):
