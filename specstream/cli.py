@@ -246,13 +246,19 @@ def cmd_caption(args) -> int:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (results go to docs/benchmarks.md)")
     bsub = p.add_subparsers(dest="bench", required=True)
-    spec = bsub.add_parser("spec", help="speculative decoding vs no speculation vs Hugging Face generate")
+    spec = bsub.add_parser("spec", help="speculative decoding vs no speculation vs Hugging Face generate "
+                                        "(--real: on the real Qwen2.5-Coder pair)")
     spec.add_argument("--target", help="target checkpoint (default: a built-in random mid-size pair)")
     spec.add_argument("--draft", action="append", default=[])
     spec.add_argument("--prompts", type=int, default=4)
-    spec.add_argument("--max-new-tokens", type=int, default=64)
+    spec.add_argument("--max-new-tokens", "--new-tokens", dest="max_new_tokens", type=_int_at_least("--new-tokens", 1),
+                      default=64, help="new tokens per request (default 64)")
     spec.add_argument("--out", type=Path, default=Path("docs/bench"), help="output dir for JSON and plots")
-    spec.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
+    spec.add_argument("--quick", action="store_true",
+                      help="a smoke run (tiny shapes; with --real: one prompt, 4 new tokens, 2 profiled steps)")
+    from specstream.pipeline.bench_spec_real import add_arguments
+
+    add_arguments(spec)
     spec.set_defaults(func=lambda a: _bench_spec(a))
     for words, (help_text, _) in PASSTHROUGH.items():
         if words[0] == "bench":
@@ -260,6 +266,10 @@ def _add_bench(sub) -> None:
 
 
 def _bench_spec(args) -> int:
+    if args.real or args.table_from:
+        from specstream.pipeline.bench_spec_real import main as real_main
+
+        return real_main(args)
     from specstream.pipeline.bench_spec import main as bench_main
 
     return bench_main(args)

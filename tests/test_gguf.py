@@ -249,3 +249,18 @@ def test_registered_name_offline_is_a_clear_error(tmp_path):
     assert "specstream models fetch qwen2.5-coder-0.5b-instruct" in proc.stderr
     assert ModelFetchError.code == "model_fetch_failed"
     assert not (tmp_path / "empty" / "models" / "qwen2.5-coder-0.5b-instruct").exists()
+
+
+def test_converted_directory_is_an_ordinary_checkpoint(tmp_path, cache):
+    """transformers loads the converted folder by itself (no GGUF involved) and gives the GGUF load's logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = write_gguf(tmp_path / "plain.gguf", "qwen2", random_state("qwen2", seed=6), quantize="Q8_0")
+    folder = resolve_checkpoint(path).path
+    plain = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.tensor([[262, 5, 80, 81, 263, 7]])
+    with torch.no_grad():
+        assert torch.equal(plain(ids).logits, _hf(path)(ids).logits)
+    assert plain.generation_config.eos_token_id == [vocabulary()[0].index("<|im_end|>"),
+                                                    vocabulary()[0].index("<|endoftext|>")]
+    assert AutoTokenizer.from_pretrained(str(folder)).chat_template.startswith("{% for message in messages %}")
