@@ -274,7 +274,7 @@ def run(args) -> dict:
         results["configs"].update(hf["configs"])
     for name in ours_names:
         results["configs"][name] = run_ours(name, target, draft, ids, loads, args.max_new_tokens, max_len, log)
-    if args.profile_steps and "ours/specinfer" in ours_names and not args.no_batch:
+    if args.profile_steps and not args.no_batch:
         batch = [ids[p] for p in loads[f"batch-{2 * len(names)}"]]
         results["host_time"] = host_time_per_step(target, draft, batch, args.profile_steps)
         log(f"host time per step: {100 * results['host_time']['host_fraction']:.1f}% of "
