@@ -194,7 +194,6 @@ def host_time_per_step(target: Path, draft: Path, prompts: list[list[int]], step
     """Step wall time and the host share (step minus model forwards) at batch ``len(prompts)`` with SpecInfer's
     21-node tree, from a ``torch.profiler`` trace: ``engine_step`` ranges around ``engine.step()`` and
     ``model_forward`` ranges around every decoder ``forward_batch`` (target and draft)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from specstream.stages.speculative.models.llama import LlamaDecoder
