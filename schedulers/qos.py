@@ -183,8 +183,8 @@ class QosConfig:
 
     def validate(self) -> None:
         limits = self.model_limits()
-        if not limits:
-            raise ValueError("at least one model is needed")
+        if not limits and self.memory_budget_bytes is None:
+            raise ValueError("at least one model is needed (or a memory_budget_bytes to add models to later)")
         for name, m in limits.items():
             if m.num_slots < 1 or m.max_len < 2:
                 raise ValueError(f"model {name!r}: num_slots must be >= 1 and max_len >= 2")
@@ -257,6 +257,8 @@ class QosScheduler:
         self.config.validate()
         self.limits = self.config.model_limits()
         self.bytes_mode = self.config.memory_budget_bytes is not None
+        #: the memory budget (bytes in bytes mode, else tokens); :meth:`add_model` grows it
+        self.kv_budget = self.config.kv_budget
         self.clock = clock
         self.metrics = metrics
         self.requests: dict[str, Request] = {}
@@ -292,6 +294,25 @@ class QosScheduler:
     def free_slots_of(self, model: str) -> list[int]:
         return self._free[model]
 
+    def add_model(self, name: str, limits: ModelLimits, memory_bytes: int = 0) -> None:
+        """Serve one more model (a runner joining the device loop); ``memory_bytes`` (bytes mode) joins the
+        memory budget: its KV cache and its encoder outputs' allowance.
+
+        Raises:
+            ValueError: the name is taken, or bytes mode without ``limits.kv_bytes_per_token``.
+        """
+        if name in self.limits:
+            raise ValueError(f"model {name!r} is already served")
+        if self.bytes_mode and limits.kv_bytes_per_token <= 0:
+            raise ValueError(f"model {name!r}: the memory budget is in bytes; give kv_bytes_per_token")
+        self.limits[name] = limits
+        self._free[name] = list(range(limits.num_slots))[::-1]
+        if self.bytes_mode:
+            self.kv_budget += memory_bytes
+        if self.metrics:
+            for q in QOS_CLASSES:
+                self.metrics.queue_depth.labels(name, q).set(0)
+
     def _lim(self, req: Request) -> ModelLimits:
         return self.limits[req.model]
 
@@ -326,7 +347,7 @@ class QosScheduler:
                 raise InvalidRequestError(f"no encoder for modality {item.modality!r}; have {sorted(cfg.encoders)}")
         lim = self._lim(request)
         need = len(request.prompt_ids) + request.max_new_tokens
-        memory = cfg.kv_budget // max(1, self._unit(request))
+        memory = self.kv_budget // max(1, self._unit(request))
         limit = min(lim.max_len, memory)
         if need > limit:
             self._reject(request, "never_fits",
@@ -448,13 +469,13 @@ class QosScheduler:
             p.num_tokens * self._unit(p.request) for p in plan.prefills)
 
     def kv_fraction(self, plan: StepPlan | None = None) -> float:
-        return self.kv_tokens(plan) / self.config.kv_budget
+        return self.kv_tokens(plan) / self.kv_budget
 
     def _mem_left(self, nodes: dict[str, int], prefills) -> int:
         """Memory units left after holding, the planned tree nodes and the planned prefill chunks."""
         used = self._held() + sum(n * self._unit(self.requests[rid]) for rid, n in nodes.items()) + sum(
             p.num_tokens * self._unit(p.request) for p in prefills)
-        return max(0, self.config.kv_budget - used)
+        return max(0, self.kv_budget - used)
 
     def _room(self, req: Request) -> int:
         return self._lim(req).max_len - len(req.context) + 1  # cache columns left for the root and its tree
@@ -472,7 +493,7 @@ class QosScheduler:
         return max(1, want)
 
     def _kv_pressure(self) -> bool:
-        return self._held() > self.config.kv_high_watermark * self.config.kv_budget
+        return self._held() > self.config.kv_high_watermark * self.kv_budget
 
     def _grow_trees(self, reqs: list[Request], nodes: dict[str, int], budget: float, mem: int) -> float:
         """Grow trees of ``reqs`` (priority order) toward what they want, within the token ``budget`` (cost
@@ -554,7 +575,7 @@ class QosScheduler:
             if not cont:
                 if not self._can_take_slot(req):
                     continue  # the model's other slots are reserved for realtime
-                limit = cfg.kv_budget if req.qos == "realtime" else cfg.kv_high_watermark * cfg.kv_budget
+                limit = self.kv_budget if req.qos == "realtime" else cfg.kv_high_watermark * self.kv_budget
                 need = (len(req.context) + req.remaining) * self._unit(req)
                 if (self.running or self.prefilling or prefills) and self._held() + growth + need > limit:
                     if req.qos == "realtime":
@@ -602,7 +623,7 @@ class QosScheduler:
         free = {m: len(v) for m, v in self._free.items()}
         held = self._held()
         for req in (r for r in ready if r.qos == "realtime"):
-            need_mem = held + (len(req.context) + req.remaining) * self._unit(req) - self.config.kv_budget
+            need_mem = held + (len(req.context) + req.remaining) * self._unit(req) - self.kv_budget
             slot_victims = self._victims(("batch",), req.model)
             while slot_victims and free[req.model] < 1:
                 v = slot_victims.pop(0)
@@ -630,7 +651,7 @@ class QosScheduler:
         """Preempt when holding plus one root per decoding request would exceed the memory budget."""
         victims = self._victims(QOS_CLASSES)
         while (len(self.running) + len(self.prefilling) > 1 and victims and self._held() + sum(
-                self._unit(r) for r in self.running.values()) > self.config.kv_budget):
+                self._unit(r) for r in self.running.values()) > self.kv_budget):
             self._preempt(victims.pop(0), now)
 
     def _preempt(self, req: Request, now: float) -> None:

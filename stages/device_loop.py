@@ -60,7 +60,23 @@ class ModelRunner:
     eos_token_ids: tuple[int, ...] = ()
     max_len: int = 1024
     requires_encoder_output: bool = False
+    reserved_realtime_slots: int = 0
+    token_cost: float = 1.0
+    encoder_bytes: int = 0  # memory budget allowance for the encoder outputs its requests hold
     _ids: Any = field(default_factory=itertools.count, repr=False)
+
+    def limits(self):
+        """The scheduler's view of this model (:class:`~specstream.schedulers.qos.ModelLimits`)."""
+        from specstream.schedulers.qos import ModelLimits
+
+        cache = self.executor.cache
+        per_token = max(1, cache.nbytes() // (cache.num_slots * (cache.max_len + 1)))
+        return ModelLimits(cache.num_slots, self.max_len, self.reserved_realtime_slots, per_token, self.token_cost)
+
+    def memory_bytes(self) -> int:
+        """What the model adds to the memory budget: its KV cache's token capacity and its encoder allowance."""
+        lim = self.limits()
+        return lim.num_slots * lim.max_len * lim.kv_bytes_per_token + self.encoder_bytes
 
     @property
     def vocab_size(self) -> int:
@@ -127,11 +143,15 @@ class DeviceLoop:
         device: the device's name (thread name, registry key).
     """
 
-    def __init__(self, runners: Sequence[ModelRunner], scheduler, device: str = "cpu"):
+    def __init__(self, runners: Sequence[ModelRunner] = (), scheduler=None, device: str = "cpu"):
         names = [r.name for r in runners]
         if len(set(names)) != len(names):
             raise ValueError(f"runner names must be unique, got {names}")
         self.runners: dict[str, ModelRunner] = {r.name: r for r in runners}
+        if scheduler is None:
+            scheduler = new_qos_scheduler()
+            for r in runners:
+                scheduler.add_model(r.name, r.limits(), r.memory_bytes())
         self.scheduler = scheduler
         self.device = device
         self._entries: dict[str, _Entry] = {}
@@ -144,9 +164,42 @@ class DeviceLoop:
         self._lock = threading.Condition()
         self._submitted: list[tuple[Request, _Entry, dict]] = []
         self._cancels: list[str] = []
+        self._adds: list = []
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failed: dict[str, str] = {}  # model name -> why it could not be loaded (its endpoints are down)
+
+    def add_runner(self, runner: ModelRunner) -> ModelRunner:
+        """Serve one more model (thread-safe: applied between two steps when the loop runs).
+
+        Raises:
+            ValueError: a runner of that name exists.
+        """
+        if runner.name in self.runners:
+            raise ValueError(f"a model named {runner.name!r} is already in the device loop")
+        add_model = getattr(self.scheduler, "add_model", None)
+        if add_model is None:
+            raise ValueError("this loop's scheduler serves one model")
+        if self._thread is not None and threading.get_ident() != self._thread.ident:
+            import concurrent.futures
+
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            with self._lock:
+                self._adds.append((runner, done))
+                self._lock.notify()
+            done.result()
+            return runner
+        self._add_runner_now(runner)
+        return runner
+
+    def _add_runner_now(self, runner: ModelRunner) -> None:
+        self.scheduler.add_model(runner.name, runner.limits(), runner.memory_bytes())
+        self.runners[runner.name] = runner
+        self.failed.pop(runner.name, None)
+
+    def mark_failed(self, model: str, why: str) -> None:
+        """Record that ``model`` could not be loaded: requests for it are refused naming why (``/readyz`` too)."""
+        self.failed[model] = why
 
     # -- requests -------------------------------------------------------------------------------------------
     def runner(self, model: str) -> ModelRunner:
@@ -176,7 +229,8 @@ class DeviceLoop:
             raise InvalidRequestError("this target decoder takes no encoder output")
         if (runner.requires_encoder_output and encoder_output is None and not request.encodes
                 and not request.mm_inputs):
-            raise InvalidRequestError(f"model {runner.name!r} needs an audio input per request")
+            raise InvalidRequestError(f"model {runner.name!r} needs an encoder output per request (an audio input "
+                                      f"in mm_inputs, or encoder_output=)")
         if request.request_id in self._entries:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         self.scheduler.add(request)
@@ -363,7 +417,14 @@ class DeviceLoop:
             with self._lock:
                 submitted, self._submitted = self._submitted, []
                 cancels, self._cancels = self._cancels, []
+                adds, self._adds = self._adds, []
                 stopping = self._stopping
+            for runner, done in adds:
+                try:
+                    self._add_runner_now(runner)
+                    done.set_result(runner)
+                except Exception as exc:
+                    done.set_exception(exc)
             for req, entry, kw in submitted:
                 try:
                     self.add_request(req, entry.on_tokens, **kw)
@@ -381,7 +442,7 @@ class DeviceLoop:
             if stopping:
                 return
             with self._lock:
-                if not self._submitted and not self._cancels and not self._stopping:
+                if not self._submitted and not self._cancels and not self._adds and not self._stopping:
                     nxt = getattr(self.scheduler, "next_event_s", lambda: None)()
                     clock = getattr(self.scheduler, "clock", time.monotonic)
                     timeout = None if nxt is None else max(0.0, nxt - clock())
@@ -393,6 +454,15 @@ class DeviceLoop:
             self._cancel_now(rid)
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
+
+
+def new_qos_scheduler(metrics=None, clock=time.monotonic, **config) -> Any:
+    """A :class:`~specstream.schedulers.qos.QosScheduler` with no model yet and a memory budget in bytes that
+    grows as runners join (``config``: :class:`~specstream.schedulers.qos.QosConfig` keys)."""
+    from specstream.schedulers.qos import QosConfig, QosScheduler
+
+    cfg = {"models": {}, "memory_budget_bytes": 0, "reserved_realtime_slots": 0, **config}
+    return QosScheduler(QosConfig(**cfg), clock=clock, metrics=metrics)
 
 
 _LOOPS: dict[str, DeviceLoop] = {}
