@@ -321,7 +321,7 @@ class SpeechModel:
                hypotheses: Sequence[Sequence[int] | None] | None = None, speculate: bool = True,
                language: str | None = "en", max_new_tokens: int | None = None,
                previous: Sequence[Sequence[int]] | None = None, timestamps: bool = False, task: str = "transcribe",
-               logprobs: bool = False) -> list[WindowResult]:
+               logprobs: bool = False, prefixes: Sequence[Sequence[int]] | None = None) -> list[WindowResult]:
         """Greedy-decode one window per encoder output ``[S_enc, d_model]`` (or its ``CrossKV``) as one batch.
 
         Args:
@@ -332,6 +332,8 @@ class SpeechModel:
             previous: per window, token ids of earlier text for the prompt (``<|startofprev|> ...``; empty: none).
             timestamps: decode Whisper's timestamp tokens (segments) instead of ``<|notimestamps|>``.
             logprobs: also compute :attr:`WindowResult.avg_logprob` (the engine's per-token log-probabilities).
+            prefixes: per window, tokens forced after the ``<|startoftranscript|>`` sequence (the decoder continues
+                after them; the rules' history starts before them, as for the live recognizer's committed text).
 
         Raises:
             InvalidRequestError: hypotheses given but the engine has no temporal drafter; SpecstreamError: decoding
@@ -342,10 +344,11 @@ class SpeechModel:
             raise InvalidRequestError("hypotheses need an engine with a temporal drafter")
         reqs = []
         for i, enc in enumerate(encoder_outputs):
-            p = self.prompt(language, task, timestamps, previous[i] if previous is not None else ())
+            head = self.prompt(language, task, timestamps, previous[i] if previous is not None else ())
+            p = head + [int(t) for t in (prefixes[i] if prefixes is not None else ())]
             limit = min(max_new_tokens or self.max_new_tokens(len(p)), self.max_target_positions - len(p))
-            req = engine.make_request(p, limit, speculate=speculate, logprobs=logprobs,
-                                      logits_processors=self.logits_processors(len(p), timestamps=timestamps))
+            req = engine.make_request(p, max(1, limit), speculate=speculate, logprobs=logprobs,
+                                      logits_processors=self.logits_processors(len(head), timestamps=timestamps))
             if temporal is not None and hypotheses is not None and hypotheses[i] is not None:
                 temporal.set_hypothesis(req.request_id, hypotheses[i])
             reqs.append(engine.add_request(req, encoder_output=enc))
@@ -501,34 +504,69 @@ class Transcript:
         return " ".join(s.text for s in self.segments if s.text)
 
 
-def speech_clips(audio: np.ndarray, min_silence_s: float = 2.0, pad_s: float = 0.4) -> list[tuple[int, int]]:
-    """Mel-frame ranges ``[(a, b), ...]`` of ``audio`` that hold speech (Silero VAD, as faster-whisper's
-    ``vad_filter`` defaults: regions padded by ``pad_s``, gaps shorter than ``min_silence_s`` bridged)."""
+def speech_chunks(audio: np.ndarray, min_silence_s: float = 2.0, pad_s: float = 0.4) -> list[tuple[int, int]]:
+    """Sample ranges ``[(a, b), ...]`` of ``audio`` that hold speech: Silero VAD frames, gaps shorter than
+    ``min_silence_s`` bridged, each region padded by ``pad_s`` (faster-whisper's ``vad_filter`` defaults)."""
     from specstream.stages.vad import FRAME, StreamingVad
 
     vad = StreamingVad()
     vad.accept(audio)
     vad.accept(np.zeros((-len(audio)) % FRAME, np.float32))  # the last partial frame
-    frame_s = FRAME / SAMPLE_RATE
-    regions: list[list[float]] = []
+    gap, pad = int(min_silence_s * SAMPLE_RATE), int(pad_s * SAMPLE_RATE)
+    regions: list[list[int]] = []
     for i, sp in enumerate(vad.speech):
-        if not sp:
-            continue
-        a, b = i * frame_s, (i + 1) * frame_s
-        if regions and a - regions[-1][1] < min_silence_s:
-            regions[-1][1] = b
-        else:
-            regions.append([a, b])
-    dur = len(audio) / SAMPLE_RATE
+        if sp:
+            a, b = i * FRAME, (i + 1) * FRAME
+            if regions and a - regions[-1][1] < gap:
+                regions[-1][1] = b
+            else:
+                regions.append([a, b])
     out: list[tuple[int, int]] = []
     for a, b in regions:
-        fa = int(max(0.0, a - pad_s) * FRAMES_PER_SECOND)
-        fb = int(round(min(dur, b + pad_s) * FRAMES_PER_SECOND))
-        if out and fa <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], fb))
-        elif fb > fa:
-            out.append((fa, fb))
+        a, b = max(0, a - pad), min(len(audio), b + pad)
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
     return out
+
+
+class _TimeMap:
+    """Times in the speech-only audio (the VAD chunks joined) back to times in the original audio (faster-whisper's
+    ``SpeechTimestampsMap``): a time inside chunk ``k`` moves by the silence removed before chunk ``k``."""
+
+    def __init__(self, chunks: list[tuple[int, int]]):
+        self.ends: list[int] = []  # chunk ends in joined samples
+        self.shift: list[float] = []  # seconds of silence removed before each chunk
+        removed, prev = 0, 0
+        for a, b in chunks:
+            removed += a - prev
+            prev = b
+            self.ends.append(b - removed)
+            self.shift.append(removed / SAMPLE_RATE)
+
+    def chunk(self, t: float, is_end: bool = False) -> int:
+        import bisect
+
+        sample = int(t * SAMPLE_RATE)
+        if is_end and sample in self.ends:
+            return self.ends.index(sample)
+        return min(bisect.bisect(self.ends, sample), len(self.ends) - 1)
+
+    def original(self, t: float, chunk: int | None = None, is_end: bool = False) -> float:
+        k = self.chunk(t, is_end) if chunk is None else chunk
+        return round(t + self.shift[k], 3)
+
+    def segment(self, seg: "Segment") -> "Segment":
+        from dataclasses import replace
+
+        if seg.words:
+            words = []
+            for w in seg.words:
+                k = self.chunk((w.start_s + w.end_s) / 2)
+                words.append(replace(w, start_s=self.original(w.start_s, k), end_s=self.original(w.end_s, k)))
+            return replace(seg, start_s=words[0].start_s, end_s=words[-1].end_s, words=tuple(words))
+        return replace(seg, start_s=self.original(seg.start_s), end_s=self.original(seg.end_s, is_end=True))
 
 
 @dataclass
@@ -577,9 +615,15 @@ def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str 
                                   f"{', '.join(sorted(sm.tokens.languages))}")
     audio = source if isinstance(source, np.ndarray) else load_audio(source)
     name = "<samples>" if isinstance(source, np.ndarray) else str(source)
-    mel = log_mel(audio, sm.num_mel_bins)
+    tmap = None
+    work = audio
+    if vad_filter:
+        chunks = speech_chunks(audio)
+        tmap = _TimeMap(chunks) if chunks else None
+        work = np.concatenate([audio[a:b] for a, b in chunks]) if chunks else np.zeros(0, np.float32)
+    mel = log_mel(work, sm.num_mel_bins) if len(work) else np.zeros((sm.num_mel_bins, 1), np.float32)
     n_frames = content_frames(mel)
-    clips = speech_clips(audio) if vad_filter else ([(0, n_frames)] if n_frames else [])
+    clips = [(0, n_frames)] if n_frames else []
     engine = sm.new_engine(drafter if speculate else "none", num_slots=max(1, batch_size if not timestamps else 1))
     run = _Run()
     lang_prob = 1.0
@@ -596,12 +640,14 @@ def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str 
     else:
         segments = _transcribe_windows(sm, engine, mel, clips, language, task, speculate, batch_size,
                                        no_speech_threshold, log_prob_threshold, run)
+    if tmap is not None:
+        segments = [tmap.segment(seg) for seg in segments]
     info = TranscriptionInfo(
         source=name, duration_s=round(len(audio) / SAMPLE_RATE, 3), model=sm.name,
         drafter=drafter if speculate else "none", speculate=speculate, windows=run.windows, tokens=run.tokens,
         target_steps=run.steps, wall_s=round(time.perf_counter() - t0, 3), language=language,
         language_probability=round(float(lang_prob), 4),
-        speech_s=round(sum(b - a for a, b in clips) / FRAMES_PER_SECOND, 3),
+        speech_s=round(len(work) / SAMPLE_RATE, 3),
         options={"beam_size": 1, "temperature": 0.0, "without_timestamps": not timestamps, "task": task,
                  "word_timestamps": word_timestamps, "vad_filter": vad_filter,
                  "condition_on_previous_text": condition_on_previous_text, "suppress_blank": True,

@@ -128,6 +128,8 @@ class Subtitle:
         emitted_s: the recognizer's clock when it was produced.
         latency_ms: finals only: ``emitted_s`` minus the clock time at which the audio at ``end_s`` arrived.
         tokens: the token ids of the text.
+        position_s: finals only: the audio position of the pass that committed it (``position_s - end_s`` is the
+            latency in audio, whatever the machine's speed).
     """
 
     kind: Literal["partial", "final"]
@@ -137,6 +139,7 @@ class Subtitle:
     emitted_s: float
     latency_ms: float | None = None
     tokens: tuple[int, ...] = ()
+    position_s: float | None = None
 
     def message(self) -> dict:
         """The WebSocket message (``docs/streaming.md``)."""
@@ -159,7 +162,8 @@ class PassRecord:
         encode_s, decode_s, wall_s: encoder batch time, decode time (submit to done, encode excluded), pass time.
         no_speech_prob, avg_logprob: Whisper's silence measures of the window; silent: the silence rule held.
         window: the log-mel window ``[80, 3000]`` (only with ``StreamConfig.keep_windows``).
-        prompt: the whole decoder prompt of the window.
+        history: the earlier text the window was prompted with (``<|startofprev|>``).
+        prefix: the committed tokens forced after ``<|startoftranscript|>`` (``tokens`` starts with them).
     """
 
     audio_start_s: float
@@ -176,7 +180,8 @@ class PassRecord:
     avg_logprob: float = 0.0
     silent: bool = False
     window: np.ndarray | None = None
-    prompt: tuple[int, ...] = ()
+    history: tuple[int, ...] = ()
+    prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -207,7 +212,7 @@ class StreamConfig:
     """
 
     hop_s: float = 0.5
-    agree_span_s: float = 1.0
+    agree_span_s: float = 0.0
     max_final_gap_s: float = 2.5
     trim_after_s: float = 12.0
     keep_s: float = 5.0
@@ -638,8 +643,7 @@ class StreamingRecognizer:
         self.passes.append(PassRecord(a / SAMPLE_RATE, b / SAMPLE_RATE, tuple(raw), dec.tokens, dec.target_steps,
                                       draft is not None, dec.encode_s, dec.decode_s, 0.0, dec.no_speech_prob,
                                       dec.finish_reason, round(dec.avg_logprob, 4), silent,
-                                      window if cfg.keep_windows else None,
-                                      tuple(sm.prompt(cfg.language, "transcribe", True, history) + self._prefix)))
+                                      window if cfg.keep_windows else None, tuple(history), tuple(self._prefix)))
         return hyp
 
     def _prompt_tokens(self) -> list[int]:
@@ -698,8 +702,10 @@ class StreamingRecognizer:
                 to = max(ends) if ends else None
         if (to is None or to <= a) and new and refs \
                 and hyp.pos - self._last_commit_pos >= cfg.max_final_gap_s * SAMPLE_RATE - FRAME:
-            last = max(refs, key=lambda h: h.pos)  # the deadline: what the last two hypotheses agree on
-            to = self._word_floor(hyp.text, a, a + _lcp(new, last.text[a:]))
+            last = max(refs, key=lambda h: h.pos)  # the deadline: what the last two hypotheses agree on,
+            agree = _lcp(new, last.text[a:])  # whole closed segments of it if any, else whole words
+            ends = [s.end for s in hyp.segments if s.complete and a < s.end <= a + agree]
+            to = max(ends) if ends else self._word_floor(hyp.text, a, a + agree)
         if to is not None and to > a:
             out.append(self._emit_final(hyp, a, to))
             self._set_prefix(hyp, to)
@@ -756,7 +762,7 @@ class StreamingRecognizer:
         tokens = hyp.text[a:b]
         now = self.clock()
         sub = Subtitle("final", self.service.text(tokens), round(start, 3), round(end, 3), now,
-                       (now - self._arrival_clock(end)) * 1000.0, tuple(tokens))
+                       (now - self._arrival_clock(end)) * 1000.0, tuple(tokens), hyp.pos / SAMPLE_RATE)
         self._last_end_s = end
         self.finals.append(sub)
         self._partial = ""
