@@ -1,6 +1,6 @@
 """``specstream bench subtitles``: the streaming recognizer on espeak-ng recordings whose text is known.
 
-For each model (tiny.en, whisper-base), recording (the 10-sentence espeak-ng recording; the 66-s bulletin with
+For each model (tiny.en, whisper-base), recording (the 10-sentence espeak-ng recording; the 62-s bulletin with
 pauses and numbers, ``tests/live_fixtures.py``), agreement span and pace (real time, all at once):
 
 1. a replay on a simulated clock (chunks arrive at the pace, passes take their measured compute time): WER of the

@@ -486,6 +486,7 @@ class TranscriptionInfo:
     wall_s: float
     language: str = "en"
     language_probability: float = 1.0
+    language_detected: bool = False
     speech_s: float | None = None
     options: dict = field(default_factory=dict)
 
@@ -627,6 +628,7 @@ def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str 
     engine = sm.new_engine(drafter if speculate else "none", num_slots=max(1, batch_size if not timestamps else 1))
     run = _Run()
     lang_prob = 1.0
+    detected = language is None
     if language is None:
         if clips:
             first, _ = _clip_window(mel, clips[0][0], clips[0][1])
@@ -646,7 +648,7 @@ def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str 
         source=name, duration_s=round(len(audio) / SAMPLE_RATE, 3), model=sm.name,
         drafter=drafter if speculate else "none", speculate=speculate, windows=run.windows, tokens=run.tokens,
         target_steps=run.steps, wall_s=round(time.perf_counter() - t0, 3), language=language,
-        language_probability=round(float(lang_prob), 4),
+        language_probability=round(float(lang_prob), 4), language_detected=detected,
         speech_s=round(len(work) / SAMPLE_RATE, 3),
         options={"beam_size": 1, "temperature": 0.0, "without_timestamps": not timestamps, "task": task,
                  "word_timestamps": word_timestamps, "vad_filter": vad_filter,
@@ -840,7 +842,7 @@ def transcribe_main(argv: list[str]) -> int:
     else:
         writer(result.segments, sys.stdout, limits)
         sys.stdout.flush()
-    if args.language is None and result.info.options.get("task") and result.info.language:
+    if result.info.language_detected:
         print(f"language: {result.info.language} (probability {result.info.language_probability:.2f})",
               file=sys.stderr)
     if args.stats:

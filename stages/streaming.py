@@ -17,11 +17,12 @@ Guarantees (tested):
   up to the end of the stream), using only audio before that position (VAD frames included). So the finals depend
   on the audio, not on how fast it arrived or how long passes took; drafts never change them (greedy verification
   is lossless).
-- **Commit at a bound.** Text is committed when the hypotheses of the last ``agree_span_s`` of audio agree on it
-  (LocalAgreement; with ``agree_span_s=0`` the previous hypothesis only: LocalAgreement-2), and in any case: when no
-  final was sent for ``max_final_gap_s`` of audio, the prefix the last two hypotheses agree on; when the buffer
-  reaches ``max_buffer_s``, every complete segment (or, without one, everything); at the end of the stream,
-  everything. Uncommitted text is never discarded.
+- **Commit at a bound.** Complete segments are committed when the hypotheses of the last ``agree_span_s`` of audio
+  agree on them (LocalAgreement; with ``agree_span_s=0`` the previous hypothesis only: LocalAgreement-2), and in
+  any case: when no final was sent for ``max_final_gap_s`` of audio, what the last two hypotheses agree on (whole
+  segments; at span 0 whole words too); when the buffer reaches ``max_buffer_s``, every complete segment (or,
+  without one, everything); at the end of the stream, everything. Uncommitted text is never discarded; speech that
+  Whisper left unread after its last segment is read again from there.
 
 How a pass works:
 
@@ -33,10 +34,12 @@ How a pass works:
    tokens (:class:`~specstream.stages.whisper_timing.ApplyTimestampRules`), so the hypothesis is a list of segments
    with start and end times.
 3. The decoder is drafted by the previous hypothesis (temporal drafter, merged with the n-gram drafter).
-4. The commit policy above; a final's times come from the segments' timestamps (a final that ends inside a
-   segment gets a time shared out in proportion to the characters; times are clamped monotonic).
-5. When the buffer is longer than ``trim_after_s``, or the speaker paused with everything committed, it is cut at
-   the end timestamp of the last fully committed segment; that text moves to the prompt history.
+4. The commit policy above; a final's times come from the segments' timestamps, tightened to the VAD's speech
+   inside them (a final that ends inside a segment gets a time shared out in proportion to the characters; times
+   are clamped monotonic). One final per segment.
+5. When the buffer is longer than ``trim_after_s`` (keeping ``keep_s``), or the speaker paused with everything
+   committed, or Whisper stopped before the end of the speech, it is cut at the end of a committed segment (moved
+   into the nearest VAD pause); that text moves to the prompt history.
 
 Hallucination guards: the VAD gate (and an RMS floor: digital silence and quiet noise are silence); the silence
 rule; a repetition check (a token pattern repeated ``max_repeats`` times, or a gzip compression ratio above
@@ -192,8 +195,9 @@ class StreamConfig:
         hop_s: passes run at every multiple of this much audio.
         agree_span_s: text is committed once the hypotheses of this much audio agree on it (LocalAgreement over
             the span); 0: the previous hypothesis only (LocalAgreement-2, lowest latency).
-        max_final_gap_s: when speech is pending and no final was sent for this much audio, the prefix the last two
-            hypotheses agree on is committed (a bound on the time between finals during continuous speech).
+        max_final_gap_s: when speech is pending and no final was sent for this much audio (or ``agree_span_s +
+            hop_s`` when longer), the prefix the last two hypotheses agree on is committed (a bound on the time
+            between finals during continuous speech).
         trim_after_s: a buffer longer than this is cut at the end of a committed segment ...
         keep_s: ... that leaves at least this much audio (with its committed text, the context of what follows).
         max_buffer_s: a buffer this long commits every complete segment (everything, without one) and is cut
@@ -214,9 +218,9 @@ class StreamConfig:
     hop_s: float = 0.5
     agree_span_s: float = 0.0
     max_final_gap_s: float = 2.5
-    trim_after_s: float = 12.0
-    keep_s: float = 5.0
-    max_buffer_s: float = 20.0
+    trim_after_s: float = 20.0
+    keep_s: float = 10.0
+    max_buffer_s: float = 28.0
     max_backlog_s: float = 30.0
     prompt_chars: int = 200
     max_new_tokens: int = 160
@@ -570,8 +574,9 @@ class StreamingRecognizer:
                 out.append(self._emit_partial(""))
             self._reset_buffer(max(start, pos - SAMPLE_RATE // 2))
             return out
-        if not final and not self._pending() and self._hyps and not self._speech(prev_pos, pos):
-            self._maybe_end_utterance(pos)  # nothing new was said and nothing waits
+        if not final and not self._pending() and self._hyps and not self._speech(prev_pos, pos) \
+                and not self._unread(self._hyps[-1], pos):
+            self._maybe_end_utterance(pos)  # nothing new was said, nothing waits, all speech was read
             return out
         hyp = await self._decode(start, pos)
         out.extend(self._commit(hyp, final))
@@ -590,10 +595,10 @@ class StreamingRecognizer:
         end = self.buffer.end
         for _ in range(8):
             done = [s for s in hyp.segments if s.complete]
-            if not done or hyp.complete:
+            if not done or not self._unread(hyp, end):
                 break
-            cut = int(round(done[-1].end_s * SAMPLE_RATE))
-            if cut <= self.buffer.start or not self._speech(cut, end):
+            cut = self._snap(int(round(done[-1].end_s * SAMPLE_RATE)), end)
+            if cut <= self.buffer.start:
                 break
             self._cut(cut, hyp, done[-1])
             hyp = await self._decode(self.buffer.start, end)
@@ -637,8 +642,9 @@ class StreamingRecognizer:
                     text.append(t)
                     raw_at.append(r)
                 r += 1
-            segments.append(_Seg(s.start_s, min(s.end_s, b / SAMPLE_RATE), s.complete, first, len(text), r))
-        complete = loop is None and (not segments or segments[-1].complete)
+            if len(text) > first:  # a segment without text (a lone timestamp) carries nothing
+                segments.append(_Seg(s.start_s, min(s.end_s, b / SAMPLE_RATE), s.complete, first, len(text), r))
+        complete = loop is None and dec.finish_reason == "eos" and (not segments or segments[-1].complete)
         hyp = _Hyp(b, a, raw, text, raw_at, segments, complete)
         self.passes.append(PassRecord(a / SAMPLE_RATE, b / SAMPLE_RATE, tuple(raw), dec.tokens, dec.target_steps,
                                       draft is not None, dec.encode_s, dec.decode_s, 0.0, dec.no_speech_prob,
@@ -697,17 +703,23 @@ class StreamingRecognizer:
             agree = min(_lcp(new, r.text[a:]) for r in refs)
             if agree == len(new) and hyp.complete and all(r.complete and len(r.text) == len(hyp.text) for r in refs):
                 to = len(hyp.text)  # speech ended: everything, identical over the span
-            else:  # whole closed segments only: a sentence reads best once it was heard to its end
-                ends = [s.end for s in hyp.segments if s.complete and a < s.end <= a + agree]
+            else:  # whole closed segments only, and not the last while speech goes on after it: a sentence
+                # reads best once Whisper heard it to its end and the start of the next (as the offline windows do)
+                ends = [s.end for i, s in enumerate(hyp.segments) if s.complete and a < s.end <= a + agree
+                        and (i + 1 < len(hyp.segments) or hyp.complete)]
                 to = max(ends) if ends else None
+        deadline = max(cfg.max_final_gap_s, cfg.agree_span_s + cfg.hop_s)  # never undercuts the span
         if (to is None or to <= a) and new and refs \
-                and hyp.pos - self._last_commit_pos >= cfg.max_final_gap_s * SAMPLE_RATE - FRAME:
+                and hyp.pos - self._last_commit_pos >= deadline * SAMPLE_RATE - FRAME:
             last = max(refs, key=lambda h: h.pos)  # the deadline: what the last two hypotheses agree on,
             agree = _lcp(new, last.text[a:])  # whole closed segments of it if any, else whole words
             ends = [s.end for s in hyp.segments if s.complete and a < s.end <= a + agree]
-            to = max(ends) if ends else self._word_floor(hyp.text, a, a + agree)
+            if ends:
+                to = max(ends)
+            elif cfg.agree_span_s == 0:  # whole words only at the lowest-latency setting
+                to = self._word_floor(hyp.text, a, a + agree)
         if to is not None and to > a:
-            out.append(self._emit_final(hyp, a, to))
+            out.extend(self._emit_finals(hyp, a, to))
             self._set_prefix(hyp, to)
             self._last_commit_pos = hyp.pos
         if len(hyp.text) <= len(self._committed):
@@ -733,20 +745,35 @@ class StreamingRecognizer:
         to = done[-1].end if done else len(hyp.text)
         if to <= a:
             return []
-        out = [self._emit_final(hyp, a, to)]
+        out = self._emit_finals(hyp, a, to)
         self._set_prefix(hyp, to)
         self._last_commit_pos = hyp.pos
         return out
 
     # -- emitting ------------------------------------------------------------------------------------------------
+    def _bounds(self, hyp: _Hyp, seg: _Seg) -> tuple[float, float]:
+        """A segment's times, tightened by the VAD: Whisper often starts a segment at the end of the pause before
+        it (``<|0.00|>`` at the window start); the speech in it starts at the first VAD speech frame and ends at the
+        last one (up to 0.3 s past its end timestamp, not into the next segment). An unfinished segment ends where
+        the VAD last heard speech before the pass position."""
+        s0, s1 = seg.start_s, seg.end_s
+        nxt = next((x.start_s for x in hyp.segments if x.first >= seg.end), None)
+        limit = hyp.pos if not seg.complete else int(round(min(s1 + 0.3, nxt if nxt is not None else 1e9)
+                                                           * SAMPLE_RATE))
+        limit = min(limit, hyp.pos)
+        fa, fb = self._frames(int(s0 * SAMPLE_RATE), limit)
+        onset = next((i for i in range(fa, fb) if self.vad.speech[i]), None)
+        if onset is None:
+            return s0, (s1 if seg.complete else hyp.pos / SAMPLE_RATE)
+        last = max(i for i in range(onset, fb) if self.vad.speech[i])
+        return max(s0, onset * FRAME / SAMPLE_RATE), (last + 1) * FRAME / SAMPLE_RATE
+
     def _time_at(self, hyp: _Hyp, i: int, end: bool) -> float:
         """Audio time of text index ``i`` of ``hyp`` (its start, or with ``end`` the end of token ``i - 1``), from
-        its segment's timestamps; inside a segment, shared out in proportion to the characters."""
+        its segment's timestamps (tightened by the VAD); inside a segment, shared out in proportion to the
+        characters."""
         seg = hyp.seg_of(min(len(hyp.text) - 1, i - 1 if end else i))
-        s0, s1 = seg.start_s, seg.end_s
-        if not seg.complete:  # still being spoken: it ends where the VAD last heard speech
-            last = self._last_speech_end(int(s0 * SAMPLE_RATE), hyp.pos)
-            s1 = max(s0, last / SAMPLE_RATE if last is not None else hyp.pos / SAMPLE_RATE)
+        s0, s1 = self._bounds(hyp, seg)
         if end and i >= seg.end:
             return s1
         if not end and i <= seg.first:
@@ -754,6 +781,11 @@ class StreamingRecognizer:
         whole = len(self.service.text(hyp.text[seg.first:seg.end])) or 1
         part = len(self.service.text(hyp.text[seg.first:i]))
         return s0 + (s1 - s0) * min(1.0, part / whole)
+
+    def _emit_finals(self, hyp: _Hyp, a: int, b: int) -> list[Subtitle]:
+        """Finals for text tokens ``[a, b)`` of ``hyp``: one per segment they touch (a subtitle per segment)."""
+        cuts = sorted({a, b} | {s.end for s in hyp.segments if a < s.end < b})
+        return [self._emit_final(hyp, x, y) for x, y in zip(cuts, cuts[1:])]
 
     def _emit_final(self, hyp: _Hyp, a: int, b: int) -> Subtitle:
         """A final for text tokens ``[a, b)`` of ``hyp``."""
@@ -801,7 +833,10 @@ class StreamingRecognizer:
         seg = done[-1]
         cut = int(round(seg.end_s * SAMPLE_RATE))
         pause = int(cfg.utterance_pause_s * SAMPLE_RATE)
-        if len(self._committed) >= len(hyp.text) and hyp.complete and not self._speech(max(cut, pos - pause), pos):
+        everything = len(self._committed) >= len(hyp.text) and hyp.complete
+        if everything and self._unread(hyp, pos):  # Whisper stopped early: the next pass reads on from here
+            self._cut(self._snap(cut, pos), hyp, seg)
+        elif everything and not self._speech(max(cut, pos - pause), pos):
             last = self._last_speech_end(self.buffer.start, pos)  # the speaker paused, all of it committed
             self._cut(max(cut, last or cut), hyp, seg)
         elif full:
@@ -813,15 +848,20 @@ class StreamingRecognizer:
         return out
 
     def _snap(self, cut: int, pos: int, reach_s: float = 0.3) -> int:
-        """``cut`` moved to the nearest VAD non-speech frame within ``reach_s`` (timestamps are about 0.1-0.3 s
-        off; cutting in a pause keeps a word from being split between two windows)."""
+        """``cut`` moved into the VAD pause nearest to it within ``reach_s`` (timestamps are about 0.1-0.3 s off;
+        cutting in the middle of a pause keeps a word from being split between two windows)."""
         reach = int(reach_s * SAMPLE_RATE) // FRAME
         c = cut // FRAME
         lo, hi = self.buffer.start // FRAME, min(self.vad.frames, pos // FRAME)
         for d in range(reach + 1):
             for f in (c - d, c + d):
                 if lo < f < hi and not self.vad.speech[f]:
-                    return f * FRAME + FRAME // 2
+                    a = b = f  # the pause around frame f
+                    while a - 1 > lo and not self.vad.speech[a - 1]:
+                        a -= 1
+                    while b + 1 < hi and not self.vad.speech[b + 1]:
+                        b += 1
+                    return ((a + b + 1) * FRAME) // 2
         return cut
 
     def _cut(self, cut: int, hyp: _Hyp, seg: _Seg) -> None:
@@ -848,8 +888,20 @@ class StreamingRecognizer:
         self._last_commit_pos = max(self._last_commit_pos, self._last_pos)
         self._drop_old_arrivals()
 
+    def _read_until(self, hyp: _Hyp) -> int:
+        """Absolute sample up to which ``hyp`` read the audio: the end of its last closed segment."""
+        done = [s for s in hyp.segments if s.complete]
+        return int(round(done[-1].end_s * SAMPLE_RATE)) if done else hyp.start
+
+    def _unread(self, hyp: _Hyp, pos: int, margin_s: float = 0.5) -> bool:
+        """Speech (VAD) more than ``margin_s`` after the end of what ``hyp`` read and before ``pos``: Whisper stopped
+        before the end of the audio (it can end a window early) or the speech started after its last segment."""
+        if hyp.segments and not hyp.segments[-1].complete:
+            return False  # an unfinished segment: it is reading on
+        return self._speech(self._read_until(hyp) + int(margin_s * SAMPLE_RATE), pos)
+
     def _maybe_end_utterance(self, pos: int) -> None:
-        """Everything committed and the speaker paused: cut at the end of the last speech."""
+        """Everything committed, all speech read and the speaker paused: cut at the end of the last speech."""
         last = self._last_speech_end(self.buffer.start, pos)
         if last is not None and pos - last >= self.config.utterance_pause_s * SAMPLE_RATE and last > self.buffer.start:
             self._reset_buffer(last)

@@ -30,7 +30,7 @@ SCRIPT = (
 GAP_S = 0.5
 
 #: the longer recording: a news bulletin with numbers, spoken by espeak-ng with these pauses after each sentence
-#: (seconds); about 66 s in all
+#: (seconds); about 62 s in all
 LONG_SCRIPT = (
     ("Good morning, this is the weather report for Tuesday.", 0.4),
     ("Temperatures will reach 24 degrees in the afternoon.", 1.5),
@@ -45,7 +45,8 @@ LONG_SCRIPT = (
     ("Tickets cost 12 euros for adults, and children under 6 go free.", 2.0),
     ("That is all for now.", 0.6),
     ("Our next report comes in 2 hours.", 0.5),
-    ("Thank you for listening, and have a good day.", 0.5),
+    ("Thank you for listening, and have a good day.", 0.8),
+    ("This was report number 7.", 0.5),
 )
 
 

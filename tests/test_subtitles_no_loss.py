@@ -38,6 +38,8 @@ def _replay(service, audio, config, chunk_s=0.5, pace=1.0, pauses=None):
 
     async def run():
         try:
+            if pace == 1.0 and pauses is None and isinstance(chunk_s, float):
+                return await replay(service, audio, chunk_s, config)  # (the oldest replay's signature)
             return await replay(service, audio, chunk_s, config, pace=pace, pauses=pauses)
         finally:
             await service.stop()
@@ -96,6 +98,27 @@ def test_every_second_of_speech_reaches_a_final(service, espeak_dir, order, gaps
         last = e
     assert res.decoded_until_s == pytest.approx(rec.duration_s)
     assert wer(rec.text, res.text) <= 0.6, (rec.text, res.text)
+
+
+def test_finals_arrive_during_continuous_speech_at_the_default(service, espeak_dir):
+    """Report 6: four sentences of continuous speech (0.15-s pauses) at real-time pace with the server's defaults:
+    finals arrive while the speaker talks, at most 3 s of audio apart (measured at the position of the pass that
+    committed each final, which no machine speed changes), and the whole text comes out."""
+    from specstream.pipeline.server import ServerSettings
+    from specstream.stages.streaming import StreamConfig
+
+    s = ServerSettings()
+    field = "hop_s" if "hop_s" in StreamConfig.__dataclass_fields__ else "min_hop_s"
+    cfg = StreamConfig(**{field: s.min_hop_s}, agree_span_s=s.agree_span_s)
+    rec = compose(espeak_dir, SCRIPT[:4], [0.15] * 4, name="continuous")
+    res = _replay(service, rec.audio, cfg, pace=1.0)
+    onset, speech_end = rec.spans[0][0], rec.spans[-1][1]
+    during = [f.position_s for f in res.finals if f.position_s < speech_end] if res.finals and hasattr(
+        res.finals[0], "position_s") else [f.emitted_s for f in res.finals if f.emitted_s < speech_end]
+    gaps = np.diff([onset] + during)
+    print(f"\nfinals at {during} (speech {onset:.2f}-{speech_end:.2f} s)")
+    assert len(during) >= 3 and max(gaps) <= 3.0, (during, _finals(res))
+    assert not uncovered_speech(rec.spans, [(f.start_s, f.end_s) for f in res.finals])
 
 
 def test_buffer_at_the_bound_commits_instead_of_dropping(service, tmp_path):
