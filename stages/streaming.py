@@ -790,6 +790,10 @@ class StreamingRecognizer:
     def _emit_final(self, hyp: _Hyp, a: int, b: int) -> Subtitle:
         """A final for text tokens ``[a, b)`` of ``hyp``."""
         start = max(self._last_end_s, self._time_at(hyp, a, False))
+        fa, fb = self._frames(int(self._last_end_s * SAMPLE_RATE), int(start * SAMPLE_RATE))
+        onset = next((i for i in range(fa, fb) if self.vad.speech[i]), None)
+        if onset is not None:  # speech between the last final and this one is this one's (text comes in order)
+            start = max(self._last_end_s, onset * FRAME / SAMPLE_RATE)
         end = max(start, min(hyp.pos / SAMPLE_RATE, self._time_at(hyp, b, True)))
         tokens = hyp.text[a:b]
         now = self.clock()
