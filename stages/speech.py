@@ -46,7 +46,6 @@ from specstream.modalities.audio import (
     content_frames,
     load_audio,
     log_mel,
-    mel_window,
 )
 from specstream.stages.speculative.drafters.base import Drafter
 from specstream.stages.speculative.drafters.ngram import NgramDrafter

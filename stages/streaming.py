@@ -49,7 +49,6 @@ rule; a repetition check (a token pattern repeated ``max_repeats`` times, or a g
 from __future__ import annotations
 
 import asyncio
-import difflib
 import itertools
 import time
 import zlib
