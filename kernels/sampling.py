@@ -65,6 +65,7 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return scores
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Sampling distribution ``[N, V]`` (float64) after the warpers."""
-    return torch.softmax(warp_logits(logits, params).double(), dim=-1)
+def target_probs(logits: torch.Tensor, params: SamplingParams, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Sampling distribution ``[N, V]`` after the warpers, in ``dtype`` (float64 by default; the engine's
+    verification uses float32 on the device)."""
+    return torch.softmax(warp_logits(logits, params).to(dtype), dim=-1)

@@ -468,6 +468,12 @@ def full_session(conn, path: str, timestamps_s: list[float]) -> None:
         conn.close()
 
 
+def inherited_fd_path(dup) -> str:
+    """Unpickles `video._InheritedFd` in the child: the duplicated descriptor as this process's
+    ``/proc/self/fd/M`` (opening that name opens the parent's file, not a path)."""
+    return f"/proc/self/fd/{dup.detach()}"
+
+
 def _send_quiet(conn, msg) -> None:
     try:
         conn.send(msg)

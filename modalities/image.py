@@ -19,6 +19,7 @@ _FORMATS = {"PNG", "JPEG", "WEBP"}
 
 def load_image(path: str | os.PathLike) -> np.ndarray:
     """Load the image at ``path`` as ``[H, W, 3]`` uint8 RGB (alpha dropped, palette/greyscale converted).
+    ``path`` may be an opened source's ``/proc/self/fd/N`` (`specstream.modalities.source`).
 
     Raises `UnreadableSourceError` (missing, directory, unreadable, empty), `UnsupportedMediaError` (not a
     png/jpeg/webp image), `CorruptMediaError` (recognised but damaged, e.g. truncated).
@@ -46,6 +47,22 @@ def load_image(path: str | os.PathLike) -> np.ndarray:
     except (OSError, SyntaxError, ValueError) as exc:  # Pillow reports truncated/damaged data as OSError
         raise CorruptMediaError(f"damaged image {p}: {exc}") from exc
     return np.asarray(rgb, dtype=np.uint8)
+
+
+def sniff_image(path: str | os.PathLike) -> str | None:
+    """Pillow's name of the image format the file at ``path`` holds (``"PNG"``, ``"JPEG"``, ...), judged by its
+    content: Pillow reads the header only, nothing is decoded. None when Pillow recognises no image, or the file
+    cannot be read (the loader then reports why). Call :func:`~specstream.modalities.video.sniff_container`
+    first: Pillow also opens GIF animations, which specstream treats as videos."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return None
+    try:
+        with Image.open(os.fspath(path)) as im:
+            return im.format
+    except Exception:  # unidentified, unreadable, a decompression bomb: the loader says which
+        return None
 
 
 def is_image_path(path: str | os.PathLike) -> bool:

@@ -108,6 +108,32 @@ def _mp_context():
         return _ctx
 
 
+class _InheritedFd:
+    """An opened source's ``/proc/self/fd/N`` (`specstream.modalities.source`) on its way to a decoding child.
+
+    Pickled for the child as a duplicate of descriptor N (multiprocessing's ``DupFd``: the forkserver hands the
+    descriptor over as ``subprocess``'s ``pass_fds`` would) and rebuilt there as the child's own
+    ``/proc/self/fd/M``, so the child reads the very file this process opened and never opens its path."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        from specstream.modalities import _video_worker
+
+        return _video_worker.inherited_fd_path, (DupFd(self.fd),)
+
+
+def _for_child(path: str):
+    """The path argument of a child process: a descriptor name of this process crosses as the descriptor."""
+    from specstream.modalities.source import fd_of_path
+
+    fd = fd_of_path(path)
+    return path if fd is None else _InheritedFd(fd)
+
+
 def _raise(code: str, message: str):
     raise _ERRORS.get(code, CorruptMediaError)(message)
 
@@ -129,6 +155,8 @@ class VideoDecodeSession:
                 ...
             images = s.decode_full([f.timestamp_s for f in chosen])   # list of [H, W, 3] uint8
 
+    ``path`` may be an opened source's ``/proc/self/fd/N`` (`specstream.modalities.source`): the child then
+    receives a duplicate of that descriptor and never opens a path (the same holds for `decode_frames`).
     ``backend``: "auto" (decord when trusted, else PyAV), "decord" (fail when it cannot be used) or "pyav".
     ``stall_timeout_s``: seconds without any progress before the child is killed (`DecodeTimeoutError`; with
     "auto" a stalled decord is first replaced by PyAV resuming after the frames already delivered).
@@ -167,7 +195,7 @@ class VideoDecodeSession:
         parent, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_video_worker.proxy_session,
-            args=(child, self.path, self.proxy_long_side, backend, skip),
+            args=(child, _for_child(self.path), self.proxy_long_side, backend, skip),
             daemon=True,
             name=f"specstream-decode:{os.path.basename(self.path)}",
         )
@@ -345,7 +373,8 @@ def decode_frames(
     p = _check_path(path)
     ctx = _mp_context()
     parent, child = ctx.Pipe(duplex=True)
-    proc = ctx.Process(target=_video_worker.full_session, args=(child, p, [float(t) for t in timestamps_s]),
+    proc = ctx.Process(target=_video_worker.full_session,
+                       args=(child, _for_child(p), [float(t) for t in timestamps_s]),
                        daemon=True)
     proc.start()
     child.close()
@@ -378,6 +407,45 @@ def probe_video(path: str | os.PathLike, *, stall_timeout_s: float = DEFAULT_STA
             gen.close()
         assert s.info is not None
         return s.info
+
+
+#: ISO base media file format (ISO/IEC 14496-12) brands of still images (HEIF, AVIF): not videos
+_STILL_BRANDS = frozenset({b"heic", b"heix", b"heim", b"heis", b"mif1", b"msf1", b"avif", b"avis"})
+#: top-level QuickTime atoms a .mov may start with instead of ``ftyp`` (QuickTime File Format, "Movie atoms")
+_QT_ATOMS = frozenset({b"moov", b"mdat", b"wide", b"free", b"skip", b"pnot"})
+SNIFF_BYTES = 192  # enough for every signature below (an MPEG-TS sync byte repeats at offset 188)
+
+
+def sniff_container(head: bytes) -> str | None:
+    """The video container a file starting with ``head`` (its first ``SNIFF_BYTES`` bytes) is, judged by the
+    container's signature as file(1)/libmagic does, or None when no video signature matches.
+
+    Returns one of ``"mp4"`` (ISO BMFF: mp4, m4v, 3gp; also audio-only m4a, which decoding then reports as
+    ``no_video_stream``), ``"mov"``, ``"matroska"`` (mkv, webm), ``"avi"``, ``"gif"``, ``"flv"``, ``"ogg"``,
+    ``"mpeg"`` (program stream or elementary video), ``"mpegts"``. Nothing is decoded; a damaged file with an
+    intact signature is still named (decoding reports the damage).
+    """
+    if len(head) >= 12 and head[4:8] == b"ftyp":
+        if head[8:12] in _STILL_BRANDS:
+            return None
+        return "mov" if head[8:12] == b"qt  " else "mp4"
+    if len(head) >= 8 and head[4:8] in _QT_ATOMS:
+        return "mov"
+    if head.startswith(b"\x1a\x45\xdf\xa3"):  # EBML header
+        return "matroska"
+    if head[:4] == b"RIFF" and head[8:12] == b"AVI ":
+        return "avi"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    if head[:4] == b"FLV\x01":
+        return "flv"
+    if head[:4] == b"OggS":
+        return "ogg"
+    if head[:4] in (b"\x00\x00\x01\xba", b"\x00\x00\x01\xb3"):  # pack header, sequence header
+        return "mpeg"
+    if len(head) > 188 and head[0] == 0x47 and head[188] == 0x47:  # two 188-byte packets' sync bytes
+        return "mpegts"
+    return None
 
 
 def is_video_path(path: str | os.PathLike) -> bool:

@@ -276,7 +276,7 @@ def bench_subtitles_main(argv: list[str]) -> int:
                 log(f"  {n} real-time stream(s): keeps up {r['keeps_real_time']} (lag {r['max_lag_s']} s), p95 "
                     f"{r['final_latency_ms_p95']} ms")
     out["loadavg_end"] = os.getloadavg()[0]
-    out["goals"] = _goals(out)
+    out["requirements"] = _requirements(out)
     print(json.dumps(out, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -313,13 +313,14 @@ def _faster_whisper_wer(sm, rec, wer) -> dict | None:
     return res
 
 
-def _goals(out: dict) -> dict:
-    """The goals, evaluated on the runs (None where the run lacks the data)."""
+def _requirements(out: dict) -> dict:
+    """What the runs must show, evaluated (None where the run lacks the data): no lost speech, the longest gap
+    between finals at the default, latency and WER of tiny.en at each setting, base against tiny.en."""
     runs = out["runs"]
-    goals: dict = {"no_lost_speech": all(r["speech_share"] >= 1.0 for r in runs) if runs else None}
+    req: dict = {"no_lost_speech": all(r["speech_share"] >= 1.0 for r in runs) if runs else None}
     default = [r for r in runs if r["agree_span_s"] == out["default_agree_span_s"] and r["pace"] == 1.0]
     gaps = [r["max_final_gap_audio_s"] for r in default if r["max_final_gap_audio_s"] is not None]
-    goals["max_final_gap_audio_s_at_default"] = max(gaps) if gaps else None
+    req["max_final_gap_audio_s_at_default"] = max(gaps) if gaps else None
     tiny = [r for r in runs if r["model"] in ("tiny.en", "whisper-tiny.en") and r["pace"] == 1.0]
     fw = out["models"].get("tiny.en", {}).get("faster_whisper", {})
     best = []
@@ -330,7 +331,7 @@ def _goals(out: dict) -> dict:
             best.append({"recording": r["recording"], "agree_span_s": r["agree_span_s"], "wer": r["wer"],
                          "wer_bound": round(bound, 3), "p95_s": r["final_latency_s_p95"],
                          "met": r["wer"] <= bound and (r["final_latency_s_p95"] or 1e9) <= 2.5})
-    goals["tiny_latency_and_accuracy"] = best or None
+    req["tiny_latency_and_accuracy"] = best or None
     pairs = []
     for r in runs:
         if r["model"] == "whisper-base":
@@ -341,8 +342,8 @@ def _goals(out: dict) -> dict:
                               "wer_tiny": t["wer"], "wer_base": r["wer"],
                               "reduction": round(1 - r["wer"] / t["wer"], 3) if t["wer"] else None,
                               "p95_base_s": r["final_latency_s_p95"]})
-    goals["base_vs_tiny"] = pairs or None
-    return goals
+    req["base_vs_tiny"] = pairs or None
+    return req
 
 
 def plot(out: dict, path: Path) -> None:

@@ -10,6 +10,9 @@ once per message (further calls are ignored). A log-based broker commits a messa
 ``done()``. ``message.hold()`` says "processed, but keep it uncommitted" (a live stage that may still need the
 frame after later ones); ``done()`` later releases it. ``message.revoked`` turns true when the broker has given
 the message's partition to another consumer: the stage may drop the work (still calling ``done()``).
+``message.fail()`` says "its outcome could not be published": the message stays uncommitted for good (a log-based
+broker redelivers it after a restart or a rebalance) and no longer counts as in flight. A stage whose task is
+cancelled (shutdown past the drain timeout) calls none of them: the message stays uncommitted.
 """
 
 from __future__ import annotations
@@ -47,13 +50,22 @@ class Message:
     on_done: Callable[[], None] = field(default=_nothing, repr=False, compare=False)
     on_hold: Callable[[], None] = field(default=_nothing, repr=False, compare=False)
     is_revoked: Callable[[], bool] = field(default=lambda: False, repr=False, compare=False)
-    _state: str = field(default="new", repr=False, compare=False)  # new -> held -> done
+    _state: str = field(default="new", repr=False, compare=False)  # new -> held -> done; new|held -> failed
 
     def done(self) -> None:
-        """Every output of this message is published: the broker may commit it. Idempotent."""
-        if self._state != "done":
+        """Every output of this message is published: the broker may commit it. Idempotent; ignored after
+        ``fail()``."""
+        if self._state not in ("done", "failed"):
             self._state = "done"
             self.on_done()
+
+    def fail(self) -> None:
+        """The message's outcome (not even an error record) could not be published: never commit it (a restart
+        or rebalance redelivers it); it stops counting as in flight. Ignored after ``done()``."""
+        if self._state == "new":
+            self.on_hold()
+        if self._state != "done":
+            self._state = "failed"
 
     def hold(self) -> None:
         """Processed, but keep it uncommitted until ``done()`` (it no longer counts as in flight)."""

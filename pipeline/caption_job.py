@@ -20,7 +20,7 @@ from specstream.pipeline.messages import PipelineRequest, PipelineResult, Source
 # full-resolution keyframes waiting between the keyframe and caption stages, at most; with the caption stage's
 # window (CaptionStage.max_in_flight) and one pending frame per video being decoded, this bounds the frames alive
 FRAMES_TOPIC_BOUND = 4
-from specstream.stages.caption import IMAGE_EXTS, VIDEO_EXTS, Captioner, CaptionStage, KeyframeStage
+from specstream.stages.caption import IMAGE_EXTS, VIDEO_EXTS, Captioner, CaptionStage, KeyframeStage, sniff_media
 
 
 @dataclass
@@ -40,20 +40,30 @@ class CaptionJobSummary:
         return self.tokens / self.target_steps if self.target_steps else 0.0
 
     def line(self) -> str:
+        """One line for people: counts (singular for one), time, tokens/s and tau (tokens per target step)."""
         tps = self.tokens / self.seconds if self.seconds else 0.0
-        return (f"{self.inputs} inputs ({self.failed_inputs} failed): {self.frames_decoded} frames decoded, "
-                f"{self.keyframes} keyframes, {self.captions} captions, {self.tokens} tokens in "
-                f"{self.seconds:.1f} s ({tps:.1f} tokens/s), tau {self.tau:.2f}")
+        return (f"{count(self.inputs, 'input')} ({self.failed_inputs} failed): "
+                f"{count(self.frames_decoded, 'frame')} decoded, {count(self.keyframes, 'keyframe')}, "
+                f"{count(self.captions, 'caption')}, {count(self.tokens, 'token')} in {self.seconds:.1f} s "
+                f"({tps:.1f} tokens/s), tau {self.tau:.2f}")
+
+
+def count(n: int, noun: str) -> str:
+    """``"1 input"``, ``"2 inputs"``, ``"0 inputs"`` (English plural with -s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def expand_inputs(inputs: list[str]) -> list[str]:
-    """Files as given; directories expanded to their media files (sorted). Missing paths stay (they fail)."""
+    """Files as given; directories expanded to their media files, sorted: files with an image or video
+    extension, and files without one whose content is an image or a video (``sniff_media``). Missing paths stay
+    (they fail)."""
     out = []
     for item in inputs:
         p = Path(item)
         if p.is_dir():
             out.extend(str(f) for f in sorted(p.rglob("*"))
-                       if f.is_file() and f.suffix.lower() in IMAGE_EXTS | VIDEO_EXTS)
+                       if f.is_file() and (f.suffix.lower() in IMAGE_EXTS | VIDEO_EXTS or
+                                           sniff_media(str(f)) is not None))
         else:
             out.append(item)
     return out
@@ -62,16 +72,17 @@ def expand_inputs(inputs: list[str]) -> list[str]:
 async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt: str, max_new_tokens: int,
                             max_keyframes_per_minute: float | None, attention_maps: Path | None,
                             qos: str = "batch", progress=None, broker: InProcessBroker | None = None,
-                            max_in_flight: int = 8) -> CaptionJobSummary:
+                            max_in_flight: int = 8, allowed_roots: list[Path] | None = None) -> CaptionJobSummary:
     """Run the graph over ``inputs``; write one JSON line per caption / failed input to ``out``.
 
     ``broker``: the in-process broker to run on (default: one whose frames topic holds ``FRAMES_TOPIC_BOUND``
     frames); ``max_in_flight``: the caption stage's window. Together they bound the full-resolution frames in
-    memory, whatever the videos' length (backpressure back to the decoding child)."""
+    memory, whatever the videos' length (backpressure back to the decoding child). ``allowed_roots``: directories
+    the inputs must lie in, checked when each is opened (None: any path; the command line's own inputs)."""
     summary = CaptionJobSummary(inputs=len(inputs))
     if broker is None:
         broker = InProcessBroker(topic_maxsize={TOPIC_FRAMES: FRAMES_TOPIC_BOUND})
-    kstage = KeyframeStage(broker)
+    kstage = KeyframeStage(broker, allowed_roots)
     cstage = CaptionStage(broker, captioner, attention_maps, max_in_flight=max_in_flight)
     params = {"prompt": prompt, "max_new_tokens": max_new_tokens}
     if max_keyframes_per_minute:
@@ -90,6 +101,7 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
     failed = set()
     buffered: dict[str, dict[int, PipelineResult]] = {rid: {} for rid in ids}  # results not written yet, by seq
     next_input, next_seq = 0, 0
+    captions_seen = 0
 
     def flush():
         """Write records as soon as they are in order: inputs in input order, each input's records in seq order
@@ -117,10 +129,12 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
         buffered[res.id][res.seq] = res
         if res.status == "error":
             failed.add(res.id)
-        if progress is not None and res.status == "ok":
-            progress.update(1)
         if res.final:
             pending.discard(res.id)
+        if progress is not None:
+            captions_seen += res.status == "ok"
+            progress.set_postfix(captions=captions_seen, failed=len(failed), refresh=False)
+            progress.update(1 if res.final else 0)
         flush()
         if not pending:
             break
@@ -169,7 +183,8 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
     if show:
         from tqdm import tqdm
 
-        progress = tqdm(desc="captions", unit="caption", file=sys.stderr)
+        # a bar over the inputs (their keyframe counts are not known ahead): "captioning: 50%|... | 1/2 [...]"
+        progress = tqdm(total=len(files), desc="captioning", unit=" input", file=sys.stderr)
     out = sys.stdout if out_path in (None, "-") else open(out_path, "w")
     try:
         return asyncio.run(run_caption_graph(files, captioner, out, prompt, max_new_tokens,

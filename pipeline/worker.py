@@ -7,7 +7,12 @@ and text only: frame tasks carry PNG (lossless, the default) or JPEG bytes.
 
 Bad input: a request message with a usable ``id`` gets a final error result (``schema_violation``,
 ``unsupported_task``, or the media codes); one without (not JSON, no id) goes to the DLQ topic with its
-original bytes and ``dlq.reason``/``dlq.topic``/``dlq.partition``/``dlq.offset`` headers.
+original bytes (the head of them when the copy would not fit ``max_message_bytes``) and
+``dlq.reason``/``dlq.topic``/``dlq.partition``/``dlq.offset``/``dlq.sha256``/``dlq.original_bytes`` headers. A
+frame task that cannot be decoded becomes its request's error result when its metadata header is readable.
+
+Shutdown (SIGTERM/SIGINT): in-flight work gets ``drain_timeout_s`` to finish; what is left is cancelled,
+stays uncommitted and is redelivered to the group; the process exits without waiting for it.
 """
 
 from __future__ import annotations
@@ -17,15 +22,23 @@ import asyncio
 import io
 import json
 import logging
+import os
 import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
 import numpy as np
 from pydantic import ValidationError
 
-from specstream.errors import SchemaViolationError, SpecstreamError, UnsupportedTaskError
+from specstream.errors import (
+    BrokerUnreachableError,
+    InvalidRequestError,
+    SchemaViolationError,
+    SpecstreamError,
+    UnsupportedTaskError,
+)
 from specstream.pipeline import broker as topics
 from specstream.pipeline.broker import Message
 from specstream.pipeline.kafka import CaptionChainStore, Codec, KafkaBroker, KafkaSettings, StateStore
@@ -34,6 +47,7 @@ from specstream.pipeline.messages import CaptionParams, ErrorInfo, PipelineReque
 log = logging.getLogger("specstream.worker")
 
 FRAME_META_HEADER = "specstream.frame"
+STAGE_EXIT_S = 5.0  # after a drain, how long stages may take to return before they are cancelled
 
 
 class BadRequest(ValueError):
@@ -148,8 +162,17 @@ class Worker:
     stages: dict[str, Any] = field(default_factory=dict)
 
     async def stop(self) -> bool:
-        """Graceful: drain in-flight work, commit, leave the groups. True when everything in flight finished."""
+        """Graceful: drain in-flight work (at most ``drain_timeout_s``), commit what finished, leave the groups.
+        Work still in flight after the timeout is cancelled uncommitted (redelivered to the group). Returns
+        True when everything in flight finished. Takes ``drain_timeout_s`` plus the time to commit and leave."""
         drained = await self.broker.drain()
+        if not drained:
+            for task in self.tasks:
+                task.cancel()
+        # drained stages end on their own (their subscriptions ended, nothing is in flight)
+        _, late = await asyncio.wait(self.tasks, timeout=STAGE_EXIT_S) if self.tasks else (set(), set())
+        for task in late:
+            task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.broker.close()
         return drained
@@ -161,8 +184,6 @@ async def start_worker(settings: KafkaSettings, captioner=None) -> Worker:
     Args:
         captioner: a ready :class:`~specstream.stages.caption.Captioner` (default: built from the settings).
     """
-    from specstream.stages.caption import Captioner, CaptionStage, KeyframeStage
-    from specstream.stages.live import LiveKeyframeStage
     from specstream.stages.speculative.drafters.model import TreeSpec
 
     s = settings
@@ -183,10 +204,54 @@ async def start_worker(settings: KafkaSettings, captioner=None) -> Worker:
         else:
             await broker.dead_letter(msg, str(exc))
 
+    async def bad_frame_task(msg: Message, exc: Exception) -> None:
+        try:
+            meta = json.loads(msg.headers[FRAME_META_HEADER])
+            rid, seq, last = str(meta["request_id"]), int(meta["seq"]), bool(meta["last"])
+        except Exception:
+            await broker.dead_letter(msg, f"undecodable frame task: {exc}")
+            return
+        await broker.publish(topics.TOPIC_RESULTS, rid, PipelineResult(
+            id=rid, status="error", error=ErrorInfo(code="corrupt_media", message=f"undecodable frame task: {exc}"),
+            seq=seq, final=last))
+
     broker.on_bad[topics.TOPIC_REQUESTS] = bad_request
+    broker.on_bad[topics.TOPIC_FRAMES] = bad_frame_task
     worker = Worker(s, broker)
-    if run_cap and captioner is None:
-        captioner = await asyncio.to_thread(_build_captioner, s, TreeSpec)
+    await _connect(broker, topic_specs(s))  # an unreachable broker fails now, not after the models loaded
+    try:
+        if run_cap and captioner is None:
+            captioner = await asyncio.to_thread(_build_captioner, s, TreeSpec)
+        await _start_stages(worker, broker, store, captioner, run_kf, run_cap)
+    except BaseException:
+        await broker.close()
+        raise
+    return worker
+
+
+async def _connect(broker: KafkaBroker, specs: list[tuple[str, dict[str, str]]]) -> None:
+    """First contact: create the topics, start the producer. Raises :class:`BrokerUnreachableError` (one line,
+    naming the address) when no broker answers; aiokafka's own connection errors are not logged meanwhile."""
+    from aiokafka.errors import KafkaConnectionError
+
+    quiet = logging.getLogger("aiokafka")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL + 1)
+    try:
+        await broker.connect(specs)
+    except KafkaConnectionError:
+        raise BrokerUnreachableError(f"cannot reach the Kafka broker at {broker.settings.bootstrap} "
+                                     "(check --broker / SPECSTREAM_KAFKA_BOOTSTRAP)") from None
+    finally:
+        quiet.setLevel(level)
+
+
+async def _start_stages(worker: Worker, broker: KafkaBroker, store: StateStore, captioner, run_kf: bool,
+                        run_cap: bool) -> None:
+    from specstream.stages.caption import CaptionStage, KeyframeStage
+    from specstream.stages.live import LiveKeyframeStage
+
+    s = worker.settings
     live = None
     if run_kf:
         live = LiveKeyframeStage(broker, store, topics.TOPIC_LIVE_FRAMES, dead_letter=broker.dead_letter)
@@ -214,7 +279,6 @@ async def start_worker(settings: KafkaSettings, captioner=None) -> Worker:
     await broker.start(topic_specs(s))
     for name, stage in worker.stages.items():
         worker.tasks.append(asyncio.create_task(stage.run(), name=f"stage-{name}"))
-    return worker
 
 
 def _build_captioner(s: KafkaSettings, TreeSpec):
@@ -263,18 +327,63 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> KafkaSettings:
+    """The worker's settings: flags over ``SPECSTREAM_KAFKA_*`` variables over defaults.
+
+    Raises:
+        InvalidRequestError: a bad flag or variable (the message names both).
+    """
     over = {k: v for k, v in vars(args).items() if v is not None and k not in ("broker", "log_level")}
     if args.broker is not None:
         if not args.broker.startswith("kafka://"):
-            raise SpecstreamError(f"--broker must be kafka://HOST:PORT, got {args.broker!r}")
+            raise InvalidRequestError(f"--broker must be kafka://HOST:PORT, got {args.broker!r}")
         over["bootstrap"] = args.broker
-    return KafkaSettings(**over)
+    try:
+        return KafkaSettings(**over)
+    except ValidationError as exc:
+        flags = {a.dest: a.option_strings[0] for a in build_parser()._actions if a.option_strings}
+        flags["bootstrap"] = "--broker"
+        problems = []
+        for err in exc.errors():
+            name = str(err["loc"][0]) if err["loc"] else "settings"
+            where = " / ".join(x for x in (flags.get(name), f"SPECSTREAM_KAFKA_{name.upper()}") if x)
+            problems.append(f"{name} ({where}): {err['msg']}")
+        raise InvalidRequestError("; ".join(problems)) from None
 
 
 def worker_main(argv: list[str]) -> int:
-    """Entry point of ``specstream worker``."""
+    """Entry point of ``specstream worker``. Errors (bad settings, an unreachable broker) raise
+    :class:`SpecstreamError`; the CLI prints them as one line and exits 2."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     settings = settings_from_args(args)
-    return asyncio.run(run_worker(settings))
+    loop = asyncio.new_event_loop()
+    try:
+        code = loop.run_until_complete(run_worker(settings))
+        leftovers = asyncio.all_tasks(loop)
+        for task in leftovers:
+            task.cancel()
+        if leftovers:
+            loop.run_until_complete(asyncio.wait(leftovers))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()  # unlike asyncio.run, does not wait for the default executor's threads
+    _exit_past_stragglers(code)
+    return code
+
+
+def _exit_past_stragglers(code: int) -> None:
+    """Exit now when a worker thread still runs work abandoned at the drain timeout (an engine step, a decode
+    step): its message is uncommitted and will be redelivered, and waiting for it would overrun the timeout
+    (the interpreter joins such threads at exit)."""
+    others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    for t in others:
+        t.join(timeout=0.5)  # idle pool threads end at once
+    busy = [t.name for t in others if t.is_alive()]
+    if busy:
+        log.warning("exiting without waiting for %d busy thread%s (%s)", len(busy), "" if len(busy) == 1 else "s",
+                    ", ".join(busy))
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -19,7 +19,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-#: QoS classes, highest priority first (issue 4).
+#: QoS classes, highest priority first.
 QOS_CLASSES: tuple[str, ...] = ("realtime", "interactive", "batch")
 
 
@@ -95,6 +95,8 @@ class Request:
             and resumes by prefilling ``prompt_ids + output_ids`` (:attr:`PrefillWork.tokens`).
         logits_processors: per-request rules applied to every verified logits row along that row's own token
             path, before argmax / sampling (:mod:`specstream.stages.speculative.logits`; objects, no tensors).
+        draft_hypothesis: a previous hypothesis of the same content (generated ids of the previous ASR window or
+            keyframe caption) that the temporal drafter drafts from; None for none.
         logprobs: also return each committed token's log-probability under the target (natural log, after the
             logits processors; after the warpers for sampled requests) in :attr:`output_logprobs` (vLLM's
             ``logprobs=0``). Speculation does not change them: a token's row is the one that verified it.
@@ -114,6 +116,7 @@ class Request:
     encodes: tuple[EncodeItem, ...] = ()
     logits_processors: tuple = ()
     logprobs: bool = False
+    draft_hypothesis: tuple[int, ...] | None = None
     # state
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None

@@ -1,4 +1,4 @@
-"""The cross-modality QoS scheduler (issue 4): one plan per device step for encode batches, prefills and
+"""The cross-modality QoS scheduler: one plan per device step for encode batches, prefills and
 speculative decode steps of every request, with QoS classes, deadlines, a token budget and a KV memory budget.
 
 Policy, in the order :meth:`QosScheduler.schedule` applies it:

@@ -7,7 +7,7 @@ budget (the same :class:`~specstream.stages.speculative.drafters.base.AdaptiveBu
 advances by :meth:`CostModel.plan_s` per step. :func:`replay` drives any ``step()`` — the simulator's or the
 live engine's — over a trace on a virtual clock, so one trace gives comparable plans in both.
 
-CLI contract (issue 4, keep stable): ``specstream simulate --trace TRACE.jsonl [--config CONFIG] --json`` prints
+CLI contract (keep stable): ``specstream simulate --trace TRACE.jsonl [--config CONFIG] --json`` prints
 ``{"classes": {"realtime"|"interactive"|"batch": {"completed", "rejected", "p50_ms", "p99_ms",
 "slo_attainment"}}, "max_wait_ms", "preemptions", "peak_kv_fraction"}``. Trace lines: ``{"t_ms", "id", "qos",
 "deadline_ms", "images", "audio_s", "prompt_tokens", "max_new_tokens", "acceptance"}`` (``prompt_tokens`` is the
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specstream.errors import CapacityError
+from specstream.errors import CapacityError, error_line
 from specstream.schedulers.baselines import FifoEncodeScheduler, StaticBatchScheduler
 from specstream.schedulers.costmodel import CostModel, EncodeCost, get_profile
 from specstream.schedulers.plan import (
@@ -460,7 +460,7 @@ def simulate_main(argv: list[str]) -> int:
         events = load_trace(args.trace)
         cfg = load_config(args.config)
     except (OSError, ValueError) as exc:
-        print(json.dumps({"error": {"code": "invalid_request", "message": str(exc)}}), file=sys.stderr)
+        print(error_line("invalid_request", str(exc), as_json=args.json), file=sys.stderr)
         return 2
     summary = summarize(simulate(events, cfg))
     if args.json:

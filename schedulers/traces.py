@@ -1,6 +1,6 @@
 """Synthetic request traces (seeded, deterministic) for the simulator, its tests and the benchmark.
 
-Each class arrives as a Poisson process at its own rate. Shapes follow the issue's three workloads:
+Each class arrives as a Poisson process at its own rate. Shapes follow the three workloads of the design:
 ``realtime`` = live subtitles (audio windows, short outputs, 1-s deadline), ``interactive`` = captioning over
 HTTP/Kafka (one or two keyframes, 10-s deadline), ``batch`` = video QA / bulk captioning (several keyframes,
 long outputs, 10-min deadline).

@@ -6,6 +6,8 @@ all use them.
 
 from __future__ import annotations
 
+import json
+
 
 class SpecstreamError(Exception):
     """Base class. ``code`` is a stable snake_case identifier; ``retryable`` tells clients whether to retry."""
@@ -19,6 +21,15 @@ class SpecstreamError(Exception):
 
     def to_dict(self) -> dict[str, str]:
         return {"code": self.code, "message": self.message}
+
+
+def error_line(code: str, message: str, as_json: bool = False) -> str:
+    """The one line a command reports a fatal error with on stderr: ``error [code]: message`` for people, or
+    ``{"error": {"code": ..., "message": ...}}`` in the JSON output modes (``--json``, ``--format jsonl``), the
+    shape error records have in JSON output. Argument-syntax errors keep argparse's ``usage:``/``error:`` lines."""
+    if as_json:
+        return json.dumps({"error": {"code": code, "message": message}})
+    return f"error [{code}]: {message}"
 
 
 class CheckpointNotFoundError(SpecstreamError):
@@ -79,6 +90,13 @@ class UnreadableSourceError(MediaError):
     code = "unreadable_source"
 
 
+class SourceChangedError(UnreadableSourceError):
+    """The source's path changed between the allowed-roots check and the open (a symlink or another file swapped
+    in for the file or for one of its directories); nothing was read from it."""
+
+    code = "source_changed"
+
+
 class UnsupportedMediaError(MediaError):
     """The source is readable but is not a container/codec we can decode (e.g. a text file named ``.mp4``)."""
 
@@ -124,6 +142,19 @@ class UnsupportedTaskError(InvalidRequestError):
     """The request's ``task`` is not one this worker serves (so far only ``caption``)."""
 
     code = "unsupported_task"
+
+
+class BrokerUnreachableError(SpecstreamError):
+    """No Kafka broker of the configured bootstrap address answers."""
+
+    code = "broker_unreachable"
+    retryable = True
+
+
+class MessageTooLargeError(SpecstreamError):
+    """A message is larger than the broker accepts (``max_message_bytes``); our producer refuses it unsent."""
+
+    code = "message_too_large"
 
 
 # --- real weights (pipeline/models_fetch.py) ------------------------------------------------------------------

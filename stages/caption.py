@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import logging
 import os
 import tempfile
 import threading
@@ -26,15 +27,19 @@ from typing import Any
 import numpy as np
 
 from specstream.errors import (
+    CorruptMediaError,
     InvalidRequestError,
     SpecstreamError,
     UnreadableSourceError,
     UnsupportedMediaError,
     UnsupportedTaskError,
 )
+from specstream.modalities.source import open_source
 from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, Broker, Message
 from specstream.pipeline.messages import CaptionParams, ErrorInfo, PipelineRequest, PipelineResult
 from specstream.schedulers.plan import EncodeItem, EncodeWork, Request
+
+log = logging.getLogger("specstream.caption")
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 VIDEO_EXTS = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".gif", ".m4v"}
@@ -63,14 +68,50 @@ class FrameTask:
     seq: int = 0
 
 
-def media_kind(path: str) -> str:
-    ext = Path(path).suffix.lower()
+def sniff_media(path: str) -> str | None:
+    """``"video"`` or ``"image"`` by the file's content (a video container's signature, else an image Pillow
+    recognises), or None when neither matches or the file cannot be read. Nothing is decoded."""
+    from specstream.modalities.image import sniff_image
+    from specstream.modalities.video import SNIFF_BYTES, sniff_container
+
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(SNIFF_BYTES)
+    except OSError:
+        return None
+    if sniff_container(head) is not None:
+        return "video"
+    return "image" if head and sniff_image(path) is not None else None
+
+
+def media_kind(path: str, name: str | None = None) -> str:
+    """``"image"`` or ``"video"``: by the content of the file at ``path`` (:func:`sniff_media`), else by the
+    extension of ``name`` (the name the client gave; default ``path``). An empty or unreadable file goes by its
+    extension, so that its loader reports why it cannot be read.
+
+    Raises:
+        UnsupportedMediaError: neither the content nor the extension is an image or a video.
+    """
+    kind = sniff_media(path)
+    if kind is not None:
+        return kind
+    shown = name or path
+    ext = Path(shown).suffix.lower()
     if ext in IMAGE_EXTS:
         return "image"
     if ext in VIDEO_EXTS:
         return "video"
-    raise UnsupportedMediaError(f"{path}: unsupported file type {ext or '(none)'!r} "
-                                f"(images: {sorted(IMAGE_EXTS)}, videos: {sorted(VIDEO_EXTS)})")
+    raise UnsupportedMediaError(f"{shown}: neither an image nor a video (by content), and the file type "
+                                f"{ext or '(no extension)'!r} is none of the images {sorted(IMAGE_EXTS)} or videos "
+                                f"{sorted(VIDEO_EXTS)}")
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """The error record of an exception raised while handling one input: a typed error keeps its code;
+    anything else becomes ``internal_error`` naming the exception's type."""
+    if isinstance(exc, SpecstreamError):
+        return ErrorInfo(**exc.to_dict())
+    return ErrorInfo(code=SpecstreamError.code, message=f"{type(exc).__name__}: {exc}")
 
 
 def resolve_source(req: PipelineRequest, allowed_roots: list[Path] | None = None,
@@ -116,6 +157,16 @@ def _next_keyframe(it) -> tuple[Any, Exception | None]:
         return None, exc
 
 
+@dataclass
+class _Published:
+    """What the keyframe stage has published for one request: the next ``seq``, and whether ``last`` went out."""
+
+    source: str
+    params: CaptionParams = field(default_factory=CaptionParams)
+    seq: int = 0
+    ended: bool = False
+
+
 class KeyframeStage:
     """Stage 1-2: media in, keyframes (full resolution) out. Videos are decoded in killable child processes.
 
@@ -125,7 +176,11 @@ class KeyframeStage:
         concurrency: inputs decoded at once.
         max_source_bytes: size limit of a source (file or inline data), bytes.
 
-    Each request message is acknowledged (``Message.done``) once all its frame tasks are published.
+    Each request message is acknowledged (``Message.done``) once all its frame tasks are published. Whatever
+    fails while a request is handled (a typed media error, a bug, a refused publish) ends as the request's final
+    frame task carrying the error, numbered after the frames already published; only when even that cannot be
+    published is the message left uncommitted (``Message.fail``). A cancelled stage (shutdown past the drain
+    timeout) acknowledges nothing: the request is redelivered.
     """
 
     def __init__(self, broker: Broker, allowed_roots: list[Path] | None = None, concurrency: int = 2,
@@ -139,74 +194,96 @@ class KeyframeStage:
 
     async def run(self) -> None:
         tasks = set()
-        async for msg in self.broker.subscribe(TOPIC_REQUESTS):
-            await self.sem.acquire()
-            task = asyncio.create_task(self._handle_message(msg))
-            tasks.add(task)
-            task.add_done_callback(lambda t: (tasks.discard(t), self.sem.release()))
-        if tasks:
-            await asyncio.gather(*tasks)
+        try:
+            async for msg in self.broker.subscribe(TOPIC_REQUESTS):
+                await self.sem.acquire()
+                task = asyncio.create_task(self._handle_message(msg))
+                tasks.add(task)
+                task.add_done_callback(lambda t: (tasks.discard(t), self.sem.release()))
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:  # cancelled (shutdown past the drain timeout): their requests stay uncommitted
+                task.cancel()
 
     async def _handle_message(self, msg: Message) -> None:
         req: PipelineRequest = msg.value
+        out = _Published(req.source.uri or req.source.filename or f"inline:{req.id}")
         try:
             if not msg.revoked:
-                await self._handle(req)
-        except Exception as exc:  # a bug or an environment failure: the request still gets its final answer
-            await self._emit_error(req, req.source.uri or f"inline:{req.id}", CaptionParams(),
-                                   SpecstreamError(f"{type(exc).__name__}: {exc}"))
-        finally:
-            msg.done()
+                await self._handle(req, out)
+        except Exception as exc:  # every failure ends as the request's error record
+            if not isinstance(exc, SpecstreamError):
+                log.exception("request %s failed", req.id)
+            if not out.ended and not await self._emit_error(req, out, exc):
+                msg.fail()
+                return
+        msg.done()
 
-    async def _emit_error(self, req: PipelineRequest, source: str, params, exc: SpecstreamError,
-                          seq: int = 0) -> None:
-        await self.broker.publish(TOPIC_FRAMES, req.id, FrameTask(
-            req.id, source, "unknown", params, req.qos, error=ErrorInfo(**exc.to_dict()), last=True, seq=seq))
+    async def _publish(self, req: PipelineRequest, out: _Published, task: FrameTask) -> None:
+        task.seq = out.seq
+        await self.broker.publish(TOPIC_FRAMES, req.id, task)
+        out.seq += 1
+        out.ended = task.last
 
-    async def _handle(self, req: PipelineRequest) -> None:
-        source = req.source.uri or req.source.filename or f"inline:{req.id}"
+    async def _emit_error(self, req: PipelineRequest, out: _Published, exc: BaseException) -> bool:
+        """Publish ``exc`` as the request's final frame task; False when that publish failed too."""
+        from specstream.modalities.source import name_fd_paths
+
+        info = error_info(exc)
+        info = ErrorInfo(code=info.code, message=name_fd_paths(info.message, out.source))  # its name, not its fd
+        task = FrameTask(req.id, out.source, "unknown", out.params, req.qos, error=info, last=True)
+        try:
+            await self._publish(req, out, task)
+            return True
+        except Exception:
+            log.exception("request %s: the error record could not be published (left uncommitted)", req.id)
+            return False
+
+    async def _handle(self, req: PipelineRequest, out: _Published) -> None:
         if req.task not in SERVED_TASKS:
-            await self._emit_error(req, source, CaptionParams(), UnsupportedTaskError(
-                f"task {req.task!r} is not served by this worker (served: {', '.join(SERVED_TASKS)})"))
-            return
+            raise UnsupportedTaskError(f"task {req.task!r} is not served by this worker "
+                                       f"(served: {', '.join(SERVED_TASKS)})")
         try:
-            params = CaptionParams(**req.params)
+            out.params = CaptionParams(**req.params)
         except Exception as exc:
-            await self._emit_error(req, source, CaptionParams(), InvalidRequestError(f"bad params: {exc}"))
-            return
-        tmp = None
+            raise InvalidRequestError(f"bad params: {exc}") from None
+        tmp = opened = None
         try:
-            path, source, tmp = resolve_source(req, self.allowed_roots, self.max_source_bytes)
-            kind = media_kind(req.source.filename or path)
+            path, out.source, tmp = resolve_source(req, self.allowed_roots, self.max_source_bytes)
+            # the one open of the source (checked against the roots again, symlinks swapped in since refused):
+            # everything below reads this descriptor, never the path
+            opened = open_source(path, None if tmp else self.allowed_roots, self.max_source_bytes)
+            path = opened.path
+            kind = await asyncio.to_thread(media_kind, path, req.source.filename or out.source)
             if kind == "image":
                 from specstream.modalities.image import load_image
 
                 image = await asyncio.to_thread(load_image, path)
                 self.frames_decoded += 1
                 self.keyframes += 1
-                await self.broker.publish(TOPIC_FRAMES, req.id, FrameTask(
-                    req.id, source, "image", params, req.qos, 0, 0.0, 1.0, image, last=True))
+                await self._publish(req, out, FrameTask(req.id, out.source, "image", out.params, req.qos, 0, 0.0,
+                                                        1.0, image, last=True))
                 return
-            n, error = await self._publish_keyframes(req, source, params, path)
+            error = await self._publish_keyframes(req, out, path)
             if error is not None:
-                await self._emit_error(req, source, params, error, seq=n)
-            elif not n:
-                await self._emit_error(req, source, params, UnsupportedMediaError(f"{source}: no frames"))
-        except SpecstreamError as exc:
-            await self._emit_error(req, source, params, exc)
+                raise error
+            if not out.seq:
+                raise UnsupportedMediaError(f"{out.source}: no frames")
         finally:
+            if opened is not None:
+                opened.close()
             if tmp:
                 os.unlink(tmp)
 
-
-    async def _publish_keyframes(self, req: PipelineRequest, source: str, params, path: str
-                                 ) -> tuple[int, Exception | None]:
+    async def _publish_keyframes(self, req: PipelineRequest, out: _Published, path: str) -> Exception | None:
         """Select ``path``'s keyframes and publish each as it is decoded (full resolution, one at a time: the
         frames topic's bound and the caption stage's window hold the rest back, so a long video never sits in
-        memory). A frame is published once the next one (or the end) is known, to mark the last. Returns
-        (frames published, the media error that ended the video or None)."""
+        memory). A frame is published once the next one (or the end) is known, to mark the last. Returns the
+        media error that ended the video (after the frames decoded before it) or None."""
         from specstream.stages.keyframes import select_keyframes
 
+        params = out.params
         cancel = threading.Event()
         run = select_keyframes(path, max_keyframes_per_minute=params.max_keyframes_per_minute, cancel=cancel)
         it = iter(run)
@@ -220,26 +297,26 @@ class KeyframeStage:
             with busy:  # after a running step returned: it stops within one frame once ``cancel`` is set
                 it.close()  # ends the run's decoding child (a no-op after the last keyframe)
 
-        pending, n, error = None, 0, None
+        pending, error = None, None
         try:
             while True:
                 kf, error = await asyncio.to_thread(step)
                 if pending is not None:
-                    await self.broker.publish(TOPIC_FRAMES, req.id, FrameTask(
-                        req.id, source, "video", params, req.qos, pending.frame_index, float(pending.timestamp_s),
-                        float(pending.scene_score), pending.image, last=kf is None and error is None, seq=n))
-                    n += 1
+                    await self._publish(req, out, FrameTask(
+                        req.id, out.source, "video", params, req.qos, pending.frame_index,
+                        float(pending.timestamp_s), float(pending.scene_score), pending.image,
+                        last=kf is None and error is None))
                 if kf is None:
                     break
                 pending = kf
                 self.keyframes += 1
         finally:
-            # also on cancellation (Ctrl-C): a thread cannot be cancelled, so stop its decode loop and close the
-            # run in a thread (the default executor, which asyncio.run waits for)
+            # also on cancellation (Ctrl-C, shutdown): a thread cannot be cancelled, so stop its decode loop and
+            # close the run in a thread (the default executor, which asyncio.run waits for)
             cancel.set()
-            await asyncio.to_thread(close)
+            await asyncio.shield(asyncio.to_thread(close))
             self.frames_decoded += run.stats.frames_decoded
-        return n, error
+        return error
 
 
 @dataclass
@@ -322,19 +399,30 @@ class Captioner:
 
     def make_request(self, prepared, max_new_tokens: int, qos: str = "interactive",
                      hypothesis: list[int] | None = None) -> Request:
+        """A caption request for one prepared image (not yet queued); :meth:`forget` it if it is never run.
+
+        Raises:
+            ContextLengthError: the prompt with its image tokens leaves no room for a new token.
+            InvalidRequestError: see ``SpeculativeEngine.make_request``.
+        """
         rid = f"cap-{next(self._ids)}"
         item = EncodeItem(f"{rid}/img", "image", 1.0)
-        self._media[item.item_id] = (rid, prepared)
         span = None
         if self.export_attention and prepared.visual_positions:
             pos = prepared.visual_positions
             if pos[-1] - pos[0] + 1 == len(pos):
                 span = (pos[0], pos[-1] + 1)
         req = self.engine.make_request(prepared.input_ids, max_new_tokens, request_id=rid, qos=qos,
-                                       encodes=(item,), draft_prompt_ids=prepared.draft_ids, visual_span=span)
-        if self.temporal is not None and hypothesis:
-            self.temporal.set_hypothesis(rid, hypothesis)
+                                       encodes=(item,), draft_prompt_ids=prepared.draft_ids, visual_span=span,
+                                       draft_hypothesis=tuple(hypothesis) if self.temporal is not None and hypothesis
+                                       else None)
+        self._media[item.item_id] = (rid, prepared)  # only once the request is valid: nothing to undo before
         return req
+
+    def forget(self, request_id: str) -> None:
+        """Drop what :meth:`make_request` kept for a request the engine never took (refused, or abandoned before
+        it was added)."""
+        self._media.pop(f"{request_id}/img", None)
 
     def text(self, tokens: list[int]) -> str:
         eos = set(self.vlm.eos_token_ids)
@@ -346,7 +434,11 @@ class CaptionStage:
 
     Frames of one request are decoded in order, each drafted from the previous caption (temporal drafter);
     frames of different requests share the engine's continuous batch. A frame task is acknowledged
-    (``Message.done``) once its result is published.
+    (``Message.done``) once its result is published. Whatever fails while a frame is handled (image
+    preprocessing, a prompt longer than the context, the engine, the chain store, publishing the result) ends as
+    that frame's error result (same ``seq`` and ``final``); only when even that cannot be published is the
+    message left uncommitted (``Message.fail``). A cancelled stage (shutdown past the drain timeout) abandons the
+    engine's requests and acknowledges nothing: the frames are redelivered.
 
     Args:
         chain_store: where previous captions outlive the process (``get(request_id, seq)`` -> tokens or None,
@@ -375,6 +467,7 @@ class CaptionStage:
         tasks = set()
         window = asyncio.Semaphore(self.max_in_flight)
         frames = self.broker.subscribe(TOPIC_FRAMES).__aiter__()
+        finished = False
         try:
             while True:
                 # a frame's predecessors were taken before it, so the oldest frames in flight can always finish
@@ -394,25 +487,63 @@ class CaptionStage:
                 if frame.last:
                     self._chains.pop(frame.request_id, None)
             await asyncio.gather(*tasks)
+            finished = True
         finally:
-            await self.driver.stop()
+            if finished:
+                await self.driver.stop()
+            else:  # cancelled (shutdown past the drain timeout): drop the engine's work, do not wait for it
+                for task in tasks:
+                    task.cancel()
+                for rid in self.driver.abandon():  # never added to the engine
+                    self.captioner.forget(rid)
 
-    async def _handle_message(self, msg: Message, frame: FrameTask, prev: asyncio.Task | None) -> list[int] | None:
+    async def _hypothesis(self, frame: FrameTask, prev: asyncio.Task | None) -> list[int] | None:
+        """The previous caption of the frame's video (drafting only: a failure here costs speed, not the frame)."""
         try:
             if prev is not None:
-                hypothesis = await prev
-            elif frame.seq > 0 and self.chain_store is not None:
-                hypothesis = await self.chain_store.get(frame.request_id, frame.seq - 1)
-            else:
-                hypothesis = None
-            if msg.revoked:
-                return None
-            tokens = await self._handle(frame, hypothesis, frame.seq)
-            if tokens is not None and self.chain_store is not None and not frame.last:
-                await self.chain_store.put(frame.request_id, frame.seq, tokens)
-            return tokens
-        finally:
+                await asyncio.wait([prev])
+                return None if prev.cancelled() or prev.exception() is not None else prev.result()
+            if frame.seq > 0 and self.chain_store is not None:
+                return await self.chain_store.get(frame.request_id, frame.seq - 1)
+        except Exception:
+            log.exception("frame %s/%s: previous caption unavailable; decoding without it", frame.request_id,
+                          frame.seq)
+        return None
+
+    async def _handle_message(self, msg: Message, frame: FrameTask, prev: asyncio.Task | None) -> list[int] | None:
+        hypothesis = await self._hypothesis(frame, prev)
+        if msg.revoked:
             msg.done()
+            return None
+        try:
+            tokens = await self._handle(frame, hypothesis, frame.seq)
+        except Exception as exc:  # every failure ends as the frame's error record
+            if not isinstance(exc, SpecstreamError):
+                log.exception("frame %s/%s failed", frame.request_id, frame.seq)
+            if not await self._publish_error(frame, error_info(exc)):
+                msg.fail()
+                return hypothesis
+            msg.done()
+            return hypothesis
+        if tokens is not None and self.chain_store is not None and not frame.last:
+            try:  # before done(), so a redelivered successor drafts from it; lost, it only costs speed
+                await self.chain_store.put(frame.request_id, frame.seq, tokens)
+            except Exception:
+                log.exception("frame %s/%s: previous caption not stored", frame.request_id, frame.seq)
+        msg.done()
+        return tokens
+
+    async def _publish_error(self, frame: FrameTask, error: ErrorInfo) -> bool:
+        """Publish the frame's error result; False when that publish failed too."""
+        self.stats.errors += 1
+        try:
+            await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
+                id=frame.request_id, status="error", error=error, seq=frame.seq, final=frame.last))
+            return True
+        except Exception:
+            log.exception("frame %s/%s: the error record could not be published (left uncommitted)",
+                          frame.request_id, frame.seq)
+            return False
 
     def _map_stem(self, source: str) -> str:
         """A file-name stem for ``source``'s attention maps that no other source of this stage uses:
@@ -430,33 +561,27 @@ class CaptionStage:
         return self._map_stems[source]
 
     async def _handle(self, frame: FrameTask, hypothesis: list[int] | None, seq: int) -> list[int] | None:
-        prepared = None
-        if frame.error is None:
-            try:
-                prepared = await asyncio.to_thread(self.captioner.vlm.prepare, frame.image, frame.params.prompt)
-            except Exception as exc:
-                frame.error = ErrorInfo(code="corrupt_media", message=f"image preprocessing failed: {exc}")
-        if frame.error is not None:
-            self.stats.errors += 1
-            await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
-                id=frame.request_id, status="error", error=frame.error, seq=seq, final=frame.last))
-            return hypothesis
+        """Caption one frame and publish its result (raises on any failure; the caller publishes the error).
+        Returns the tokens the next frame of the video drafts from."""
+        if frame.error is not None:  # an input's error from the keyframe stage: passed on as it is
+            raise RecordedError(frame.error.code, frame.error.message)
+        try:
+            prepared = await asyncio.to_thread(self.captioner.vlm.prepare, frame.image, frame.params.prompt)
+        except Exception as exc:
+            raise CorruptMediaError(f"image preprocessing failed: {exc}") from exc
         req = self.captioner.make_request(prepared, frame.params.max_new_tokens, frame.qos, hypothesis)
         t0 = time.perf_counter()
         try:
             done = await self.driver.submit(req)
-        except SpecstreamError as exc:
-            self.stats.errors += 1
-            await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
-                id=frame.request_id, status="error", error=ErrorInfo(**exc.to_dict()), seq=seq, final=frame.last))
-            return hypothesis
+        except asyncio.CancelledError:
+            raise  # the engine may hold it: abandoned with the driver
+        except Exception:
+            self.captioner.forget(req.request_id)  # refused by the engine: it never ran
+            raise
         self.stats.decode_s += time.perf_counter() - t0
         vis = self.captioner.engine.visual_attention.pop(done.request_id, None)
         if done.error:
-            self.stats.errors += 1
-            await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
-                id=frame.request_id, status="error", error=ErrorInfo(**done.error), seq=seq, final=frame.last))
-            return hypothesis
+            raise RecordedError(done.error.get("code", SpecstreamError.code), done.error.get("message", ""))
         tokens = list(done.output_ids)
         caption = self.captioner.text(tokens)
         record = {"source": frame.source, "kind": frame.kind, "frame_index": frame.frame_index,
@@ -467,13 +592,23 @@ class CaptionStage:
         if self.attention_maps is not None and vis:
             from specstream.stages.attention_maps import save_attention_map
 
-            path = save_attention_map(self.attention_maps, frame.source, frame.frame_index, frame.image,
-                                      np.stack(vis), prepared.grid, stem=self._map_stem(frame.source))
+            path = await asyncio.to_thread(save_attention_map, self.attention_maps, frame.source,
+                                           frame.frame_index, frame.image, np.stack(vis), prepared.grid,
+                                           stem=self._map_stem(frame.source))
             record["attention_map"] = str(path)
+        await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
+            id=frame.request_id, status="ok", output=record, seq=seq, final=frame.last))
         self.stats.captions += 1
         self.stats.tokens += len(tokens)
         self.stats.target_steps += done.stats.target_steps
-        await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
-            id=frame.request_id, status="ok", output=record, seq=seq, final=frame.last))
         eos = set(self.captioner.vlm.eos_token_ids)
         return [t for t in tokens if t not in eos]
+
+
+class RecordedError(SpecstreamError):
+    """An error that already has its record (an input's error from the keyframe stage, a request the engine
+    finished with an error): raised to end the frame with that same code and message."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code

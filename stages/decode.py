@@ -43,6 +43,23 @@ class EngineDriver:
         if self._task:
             await self._task
 
+    def abandon(self) -> list[str]:
+        """Stop now, without finishing the submitted requests (a shutdown past its drain timeout): the driver task
+        is cancelled (a step already running in its thread completes there) and every request's future is
+        cancelled. Requests already added stay in the engine. Returns the ids of the requests never added."""
+        self._stopping = True
+        if self._task:
+            self._task.cancel()
+        never_added = []
+        for req, fut, _, _ in self._pending:
+            fut.cancel()
+            never_added.append(req.request_id)
+        self._pending = []
+        for fut in self._futures.values():
+            fut.cancel()
+        self._futures.clear()
+        return never_added
+
     def submit(self, request: Request, on_tokens: Callable | None = None, **add_kwargs: Any) -> asyncio.Future:
         """Queue ``request``; the future resolves to the finished :class:`Request` (check ``.error``)."""
         fut = asyncio.get_running_loop().create_future()

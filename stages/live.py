@@ -112,17 +112,47 @@ class LiveKeyframeStage:
         async for msg in self.broker.subscribe(self.topic):
             try:
                 await self._handle(msg)
-            except Exception:
+            except Exception as exc:  # every failure ends as an error record of the frame's stream
                 log.exception("live frame %s/%s failed", msg.partition, msg.offset)
+                await self._failed(msg, exc)
+
+    async def _failed(self, msg: Message, exc: Exception) -> None:
+        """A frame whose handling raised: an error result of its stream (the next ``seq``; frames without a
+        stream go to the DLQ), then released; left uncommitted (``Message.fail``) when even that fails."""
+        from specstream.stages.caption import error_info
+
+        sid = msg.headers.get("stream_id") or msg.key
+        try:
+            st = self.streams.get(sid) if sid else None
+            if st is None:
+                if self.dead_letter is None:
+                    raise RuntimeError("no stream and no dead-letter queue") from exc
+                await self.dead_letter(msg, f"live frame failed: {type(exc).__name__}: {exc}")
                 msg.done()
+                return
+            info = error_info(exc)
+            await self._error(sid, st, msg, f"frame at offset {msg.offset}: {info.message}", code=info.code)
+        except Exception:
+            log.exception("live frame %s/%s: the error record could not be published (left uncommitted)",
+                          msg.partition, msg.offset)
+            msg.fail()
 
     def _stream(self, sid: str, partition: int | None) -> _Stream:
         st = self.streams.get(sid)
         if st is None:
             saved = self.store.get(f"live/{sid}") if self.store is not None else None
+            selector = None
             if saved:
-                st = _Stream(KeyframeSelector.from_state(saved["selector"]), partition, saved["next_seq"],
-                             saved["next_frame_index"], saved["next_offset"])
+                try:
+                    selector = KeyframeSelector.from_state(saved["selector"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    # a state written by another release (its detector state version differs): the stream goes
+                    # on with a fresh selector, keeping its numbering, so nothing is renumbered or lost
+                    log.warning("live stream %s: saved selector state not usable (%s); starting a fresh one",
+                                sid, exc)
+                    selector = KeyframeSelector(max_keyframes_per_minute=self.max_keyframes_per_minute)
+            if saved and selector is not None:
+                st = _Stream(selector, partition, saved["next_seq"], saved["next_frame_index"], saved["next_offset"])
             else:
                 st = _Stream(KeyframeSelector(max_keyframes_per_minute=self.max_keyframes_per_minute), partition)
             self.streams[sid] = st
@@ -173,10 +203,9 @@ class LiveKeyframeStage:
             self.keyframes += 1
         await self._commit_state(sid, st, msg)
 
-    async def _error(self, sid: str, st: _Stream, msg: Message, reason: str) -> None:
+    async def _error(self, sid: str, st: _Stream, msg: Message, reason: str, code: str = "corrupt_media") -> None:
         await self.broker.publish(TOPIC_RESULTS, sid, PipelineResult(
-            id=sid, status="error", error=ErrorInfo(code="corrupt_media", message=reason), seq=st.next_seq,
-            final=False))
+            id=sid, status="error", error=ErrorInfo(code=code, message=reason), seq=st.next_seq, final=False))
         st.next_seq += 1
         await self._commit_state(sid, st, msg, keep=False)
 

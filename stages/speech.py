@@ -38,7 +38,7 @@ from typing import TextIO
 import numpy as np
 import torch
 
-from specstream.errors import InvalidRequestError, SpecstreamError
+from specstream.errors import InvalidRequestError, SpecstreamError, error_line
 from specstream.modalities.audio import (
     FRAMES_PER_SECOND,
     SAMPLE_RATE,
@@ -346,10 +346,10 @@ class SpeechModel:
             head = self.prompt(language, task, timestamps, previous[i] if previous is not None else ())
             p = head + [int(t) for t in (prefixes[i] if prefixes is not None else ())]
             limit = min(max_new_tokens or self.max_new_tokens(len(p)), self.max_target_positions - len(p))
+            hyp = None if temporal is None or hypotheses is None or hypotheses[i] is None else tuple(hypotheses[i])
             req = engine.make_request(p, max(1, limit), speculate=speculate, logprobs=logprobs,
-                                      logits_processors=self.logits_processors(len(head), timestamps=timestamps))
-            if temporal is not None and hypotheses is not None and hypotheses[i] is not None:
-                temporal.set_hypothesis(req.request_id, hypotheses[i])
+                                      logits_processors=self.logits_processors(len(head), timestamps=timestamps),
+                                      draft_hypothesis=hyp)
             reqs.append(engine.add_request(req, encoder_output=enc))
         engine.run()
         out = []
@@ -814,15 +814,14 @@ def transcribe_main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    as_json = args.format == "jsonl"  # errors in the output mode's format (errors.error_line)
     try:
         limits = CueLimits(args.max_chars, args.max_cue_s)
     except ValueError as exc:
-        limits = None
-        bad = str(exc)
-    if args.batch_size < 1 or limits is None:
-        parser.print_usage(sys.stderr)
-        print("specstream transcribe: error: " + ("--batch-size must be >= 1" if args.batch_size < 1 else bad),
-              file=sys.stderr)
+        print(error_line("invalid_request", str(exc), as_json), file=sys.stderr)
+        return 2
+    if args.batch_size < 1:
+        print(error_line("invalid_request", "--batch-size must be >= 1", as_json), file=sys.stderr)
         return 2
     try:
         result = transcribe(args.source, args.model, drafter=args.drafter, speculate=not args.no_speculate,
@@ -832,7 +831,7 @@ def transcribe_main(argv: list[str]) -> int:
                             condition_on_previous_text=args.condition_on_previous_text, device=args.device,
                             dtype=args.dtype)
     except SpecstreamError as exc:
-        print(json.dumps({"error": exc.to_dict()}), file=sys.stderr)
+        print(error_line(exc.code, exc.message, as_json), file=sys.stderr)
         return 1
     writer = WRITERS[args.format]
     if args.output:

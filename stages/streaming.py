@@ -366,9 +366,8 @@ class SpeechService:
         limit = max(1, min(max_new_tokens, sm.max_target_positions - len(prompt)))
         req = self.engine.make_request(prompt, limit, request_id=rid, speculate=speculate, qos="realtime",
                                        encodes=(item,), logprobs=True,
-                                       logits_processors=sm.logits_processors(len(head), timestamps=timestamps))
-        if hypothesis and speculate:
-            self.temporal.set_hypothesis(rid, list(hypothesis))
+                                       logits_processors=sm.logits_processors(len(head), timestamps=timestamps),
+                                       draft_hypothesis=tuple(hypothesis) if hypothesis and speculate else None)
         self._windows[item.item_id] = (window, prompt[:prompt.index(sm.tokens.sot) + 1])
         t0 = time.perf_counter()
         try:

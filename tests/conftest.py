@@ -11,6 +11,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import specstream  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
 import pytest
 import torch
 

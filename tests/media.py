@@ -7,11 +7,12 @@ presented at exactly n / 25 s; times below are in seconds.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
+
+from binaries import require
 
 FPS = 25
 SIZE = "320:180"
@@ -45,10 +46,8 @@ def sources() -> dict[str, str]:
 
 
 def ffmpeg(*args: str) -> None:
-    """Run ffmpeg (must be installed: a missing ffmpeg fails the tests, it does not skip them)."""
-    exe = shutil.which("ffmpeg")
-    if exe is None:
-        raise RuntimeError("ffmpeg is not installed (apt-get install ffmpeg): the media tests need it")
+    """Run ffmpeg (must be installed: a missing ffmpeg fails the tests naming it, it does not skip them)."""
+    exe = require("ffmpeg")
     subprocess.run([exe, "-v", "error", "-y", *args], check=True, timeout=120)
 
 

@@ -387,8 +387,8 @@ def test_planted_dominant_visual_key_puts_the_attention_map_maximum_on_its_patch
     emb[vis, 0] = 0.0
     emb[vis[planted]] = 0.0
     emb[vis[planted], 0] = 1.0
-    eng.executor.prefix_embeds[req.request_id] = emb
     eng.add_request(req)
+    eng.executor.prefix_embeds[req.request_id] = emb
     eng.run()
     attention = np.stack(eng.visual_attention.pop(req.request_id))
     assert attention.shape == (4, 64)

@@ -444,10 +444,15 @@ def test_live_stream_survives_restart(kafka_bootstrap, captioner, tmp_path, tmp_
             await produce(s, s.topic_frames, msgs[half:])
             async with Reader(s, s.topic_results) as r, Reader(s, s.topic_dlq) as d:
                 await r.until(lambda r: len({x["seq"] for x in r.results()}) >= len(expected), 120, "keyframes")
-                await d.until(lambda d: len(d.records) == 1, 30, "the frame without stream id")
+                await d.until(lambda d: len(d.records) >= 1, 30, "the frame without stream id")
                 t_end = time.monotonic() + 1.0
                 while time.monotonic() < t_end:
                     await r.poll()
+                    await d.poll()
+                # at-least-once: the junk frame's offset may not be committed before the restart (frames before
+                # it are still held by the stream), so it can be dead-lettered again; every copy names it
+                sources = {(dict(x.headers)["dlq.partition"], dict(x.headers)["dlq.offset"]) for x in d.records}
+                assert sources == {(b"0", str(half).encode())}, sources
                 return r.results()
         finally:
             await w.stop()
@@ -456,3 +461,150 @@ def test_live_stream_survives_restart(kafka_bootstrap, captioner, tmp_path, tmp_
     assert sorted(got) == list(range(len(expected)))
     assert not any(x["final"] for x in got.values())
     assert [(got[k]["output"]["frame_index"], got[k]["output"]["timestamp_s"]) for k in sorted(got)] == expected
+
+
+async def committed(s: KafkaSettings, group: str, topic: str) -> dict[int, int]:
+    """The committed offsets of ``group`` on ``topic`` (partition -> offset; absent: nothing committed)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    c = AIOKafkaConsumer(bootstrap_servers=s.bootstrap, group_id=group, enable_auto_commit=False)
+    await c.start()
+    try:
+        parts = c.partitions_for_topic(topic) or (await c.topics() and c.partitions_for_topic(topic)) or set()
+        out = {}
+        for p in sorted(parts):
+            off = await c.committed(TopicPartition(topic, p))
+            if off is not None and off >= 0:
+                out[p] = off
+        return out
+    finally:
+        await c.stop()
+
+
+async def until_committed(s: KafkaSettings, group: str, topic: str, want: dict[int, int], timeout_s: float = 20):
+    deadline = time.monotonic() + timeout_s
+    while (got := await committed(s, group, topic)) != want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{group} on {topic}: committed {got}, expected {want}")
+        await asyncio.sleep(0.2)
+
+
+def test_long_prompt_inline_media_and_oversized_poison(kafka_bootstrap, captioner, tmp_path, tmp_path_factory):
+    """Through Kafka: a prompt longer than the context gets its error result before its offsets are committed
+    (before: no result, offset committed); inline PNG and MP4 bytes without a filename are recognised by content
+    (before: ``unsupported_media ... '.bin'``); a non-JSON message just under the size limit goes to the DLQ
+    truncated, with the whole payload's SHA-256 and length; our producer refuses a message over the limit."""
+    import base64
+    import hashlib
+
+    limit = 1 << 20
+    s = make_settings(kafka_bootstrap, tmp_path, partitions=1, max_message_bytes=limit)
+    from PIL import Image
+
+    png = tmp_path / "small.png"
+    Image.open(images(1)[0]).convert("RGB").resize((96, 96)).save(png)
+    mp4 = clips(tmp_path_factory)["short.mp4"]
+    poison = bytes(np.random.default_rng(7).integers(0, 256, limit - 100, dtype=np.uint8))  # fits, barely
+    inline = lambda rid, path: json.dumps({"id": rid, "source": {"data_b64": base64.b64encode(  # noqa: E731
+        path.read_bytes()).decode()}, "params": {"max_new_tokens": MAX_NEW}}).encode()
+    reqs = [("long", request("long", str(png), prompt=" ".join(["word"] * 1000))),
+            ("inline-png", inline("inline-png", png)), ("inline-mp4", inline("inline-mp4", mp4)),
+            (None, poison)]
+
+    async def run():
+        w = await started(s, captioner)
+        try:
+            await produce(s, s.topic_requests, [(k, v, {}) for k, v in reqs])
+            async with Reader(s, s.topic_results) as r, Reader(s, s.topic_dlq) as d:
+                await r.until(lambda r: len(finals(r)) == 3, 120, "final results")
+                await d.until(lambda d: len(d.records) == 1, 30, "the DLQ copy")
+                await until_committed(s, f"{s.group}.keyframes", s.topic_requests, {0: 4})
+                n_tasks = sum(1 for x in r.results() if x["id"].startswith(("long", "inline")))
+                await until_committed(s, f"{s.group}.caption", s.topic_frame_tasks, {0: n_tasks})
+                from specstream.errors import MessageTooLargeError
+
+                with pytest.raises(MessageTooLargeError, match=f"over the limit of {limit} bytes"):
+                    await w.broker.publish_raw("specstream.requests", "big", b"x" * limit)
+                async with Reader(s, s.topic_requests) as q:
+                    await q.until(lambda q: len(q.records) == 4, 10, "requests")
+                    await q.poll(300)
+                    sent = q.records
+                return r.results(), d.records[0], sent
+        finally:
+            assert await w.stop()
+
+    results, dlq, sent = asyncio.run(run())
+    assert len(sent) == 4  # the oversized message was refused unsent
+    got = by_id(results)
+    (long,) = got["long"].values()
+    assert (long["status"], long["error"]["code"], long["final"]) == ("error", "context_length_exceeded", True)
+    png_out = got["inline-png"][0]
+    assert (png_out["status"], png_out["output"]["kind"], png_out["output"]["source"]) == ("ok", "image",
+                                                                                             "inline:inline-png")
+    assert all(x["status"] == "ok" and x["output"]["kind"] == "video" for x in got["inline-mp4"].values())
+    h = {k: v.decode() for k, v in dlq.headers}
+    assert h["dlq.sha256"] == hashlib.sha256(poison).hexdigest() and h["dlq.original_bytes"] == str(len(poison))
+    assert h["dlq.truncated"] == "true" and "not JSON" in h["dlq.reason"]
+    assert 0 < len(dlq.value) < len(poison) and dlq.value == poison[: len(dlq.value)]
+    from specstream.pipeline.kafka import record_size
+
+    assert record_size(None, dlq.value, [(k, v) for k, v in dlq.headers]) <= limit
+
+
+def test_drain_timeout_leaves_work_uncommitted_for_redelivery(kafka_bootstrap, captioner, tmp_path, caplog):
+    """``drain_timeout_s=2`` with a frame stuck in preprocessing: the worker stops within the timeout plus
+    the time to commit and leave (before: it waited for the frame), without committing the frame; a poison
+    message whose DLQ copy fails is not committed either. A second worker gets both again and answers them."""
+    import threading
+
+    s = make_settings(kafka_bootstrap, tmp_path, partitions=1, drain_timeout_s=2)
+    release = threading.Event()
+    stuck = []
+    real_prepare = captioner.vlm.prepare
+
+    def prepare(image, prompt):
+        if not stuck:
+            stuck.append(time.monotonic())
+            release.wait(60)  # a frame that is not done when the drain times out
+        return real_prepare(image, prompt)
+
+    async def run():
+        w = await started(s, captioner)
+        real_publish = w.broker.publish_raw
+
+        async def refuse_dlq(topic, key, data, headers=None):
+            if topic == s.topic_dlq:
+                raise RuntimeError("DLQ unavailable")
+            await real_publish(topic, key, data, headers)
+
+        w.broker.publish_raw = refuse_dlq
+        captioner.vlm.prepare = prepare
+        try:
+            await produce(s, s.topic_requests, [("stuck", request("stuck", images(1)[0]), {}),
+                                                (None, b"\x00 not json", {})])
+            async with Reader(s, s.topic_frame_tasks) as f:
+                await f.until(lambda f: len(f.records) == 1 and stuck, 60, "the stuck frame")
+            t0 = time.monotonic()
+            drained = await w.stop()
+            stop_s = time.monotonic() - t0
+        finally:
+            captioner.vlm.prepare = real_prepare
+        assert await committed(s, f"{s.group}.caption", s.topic_frame_tasks) == {}
+        assert await committed(s, f"{s.group}.keyframes", s.topic_requests) == {0: 1}  # the poison: not
+        w2 = await started(s, captioner)
+        try:
+            async with Reader(s, s.topic_results) as r, Reader(s, s.topic_dlq) as d:
+                await r.until(lambda r: "stuck" in finals(r), 60, "the redelivered frame's result")
+                await d.until(lambda d: len(d.records) == 1, 30, "the redelivered poison's DLQ copy")
+                await until_committed(s, f"{s.group}.keyframes", s.topic_requests, {0: 2})
+                await until_committed(s, f"{s.group}.caption", s.topic_frame_tasks, {0: 1})
+                return drained, stop_s, r.results()
+        finally:
+            release.set()
+            assert await w2.stop()
+
+    caplog.set_level("WARNING", "specstream.kafka")
+    drained, stop_s, results = asyncio.run(run())
+    assert not drained and stop_s < 2 + 4, stop_s
+    assert "1 message still in flight after 2 s: left uncommitted" in caplog.text
+    assert [(x["id"], x["seq"], x["status"]) for x in results] == [("stuck", 0, "ok")]

@@ -153,12 +153,17 @@ def test_synthetic_slow_fade_gives_one_boundary():
     assert 30 + 36 <= out[1].frame_index <= 30 + 48 + 5  # where the new shot is (nearly) whole, not mid-blend
 
 
-def test_min_scene_length_drops_the_second_of_two_close_cuts():
+def test_min_scene_length_keeps_the_stronger_of_two_close_cuts():
+    """Two cuts 0.2 s apart: the weaker one goes, whichever comes first (a plain "nothing within 0.5 s of the last
+    boundary" rule always dropped the second, and with it the keyframe of the scene that follows)."""
     a, b, c = _scene(5, 30, (200, 60, 40)), _scene(6, 5, (40, 90, 200)), _scene(7, 30, (60, 200, 60))
+    free = _run(a + b + c, params=HistogramDetectorParams(min_scene_len_s=0.1))
+    assert [(x.frame_index, x.kind) for x in free] == [(0, "start"), (30, "cut"), (35, "cut")]
+    assert free[2].score > free[1].score  # b -> c differs more than a -> b
     out = _run(a + b + c, params=HistogramDetectorParams(min_scene_len_s=0.5))
+    assert [(x.frame_index, x.kind, x.score) for x in out] == [(0, "start", 1.0), (35, "cut", free[2].score)]
+    out = _run(c + b + a, params=HistogramDetectorParams(min_scene_len_s=0.5))  # now the first cut is stronger
     assert [(x.frame_index, x.kind) for x in out] == [(0, "start"), (30, "cut")]
-    out = _run(a + b + c, params=HistogramDetectorParams(min_scene_len_s=0.1))
-    assert [(x.frame_index, x.kind) for x in out] == [(0, "start"), (30, "cut"), (35, "cut")]
 
 
 def test_clip_deduplicator_needs_a_local_model():
@@ -173,6 +178,7 @@ def test_keyframes_bench_reports_all_baselines(clips, tmp_path):
     report = run_keyframes_bench(str(clips["joined.mp4"]), out_json=str(out), repeats=1)
     assert json.loads(out.read_text()) == report
     assert report["video"]["frames"] == 150 and report["keyframes"] == 3
+    assert report["keyframe_times_s"] == [0.0, *media.JOIN_TIMES_S] and report["keyframes_dropped_as_blank"] == 0
     for case in ("ffmpeg", "decord_full", "pyav_full", "pyav_decode", "select_keyframes", "select_keyframes_pyav"):
         r = report["results"][case]
         assert r["seconds"] > 0 and r["frames_per_s"] == pytest.approx(150 / r["seconds"], rel=0.01)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import socket
 import time
 
 import numpy as np
 import pytest
 
+from binaries import require
 from live_fixtures import SCRIPT, ServerThread, free_port, recording, wer
 from whisper_fixtures import one_torch_thread, speech_cache  # noqa: F401  (fixtures)
 
@@ -566,13 +566,12 @@ def test_caption_parity_cli_http(sm, image_dir, speech_cache):
 
 # -- the web page in headless Chromium ----------------------------------------------------------------------------
 def test_web_page_streams_a_file_in_chromium(server, rec3):
-    if shutil.which("chromium") is None:
-        pytest.fail("Debian chromium is required (apt-get install chromium)")
+    chromium = require("chromium")
     from playwright.sync_api import sync_playwright
 
     path, audio, _ = rec3
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=shutil.which("chromium"),
+        browser = p.chromium.launch(executable_path=chromium,
                                     args=["--headless", "--no-sandbox", "--disable-gpu",
                                           "--disable-background-networking", "--disable-component-update",
                                           "--disable-sync", "--autoplay-policy=no-user-gesture-required"])

@@ -125,7 +125,8 @@ def test_offline_hub_id_names_missing_files(monkeypatch, tmp_path):
     with pytest.raises(CheckpointNotFoundError) as err:
         resolve_checkpoint("no-such-owner/no-such-model")
     msg = str(err.value)
-    assert "config.json" in msg and "safetensors" in msg and "huggingface-cli download" in msg
+    assert "config.json" in msg and "safetensors" in msg
+    assert "hf download no-such-owner/no-such-model --local-dir DIR" in msg
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

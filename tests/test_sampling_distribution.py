@@ -34,11 +34,12 @@ def vocab8(tmp_path_factory):
     state = random_decoder_state(spec, seed=21)
     target = save_checkpoint(root / "target", spec.config_dict(), state)
     draft = build_tiny_decoder(root / "draft", spec, seed=22, noise_from=state, noise=0.6)
-    return target, draft
+    draft2 = build_tiny_decoder(root / "draft2", spec, seed=23, noise_from=state, noise=1.0)
+    return target, draft, draft2
 
 
-def exact_joint(target) -> dict[tuple[int, ...], float]:
-    """P(t1, t2, t3) under the target's own sampling, enumerated with HF forwards."""
+def exact_joint(target, length: int = 3) -> dict[tuple[int, ...], float]:
+    """P(t1, ..., t_length) under the target's own sampling, enumerated with HF forwards."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -48,18 +49,15 @@ def exact_joint(target) -> dict[tuple[int, ...], float]:
             logits = hf(torch.tensor([PROMPT + list(prefix)])).logits[0, -1:]
         return target_probs(logits, PARAMS)[0].numpy()
 
-    joint = {}
-    p1 = dist(())
-    for a in range(V):
-        if p1[a] == 0:
-            continue
-        p2 = dist((a,))
-        for b in range(V):
-            if p2[b] == 0:
-                continue
-            p3 = dist((a, b))
-            for c in range(V):
-                joint[(a, b, c)] = p1[a] * p2[b] * p3[c]
+    joint = {(): 1.0}
+    for _ in range(length):
+        nxt = {}
+        for prefix, pr in joint.items():
+            p = dist(prefix)
+            for t in range(V):
+                if p[t] > 0:
+                    nxt[prefix + (t,)] = pr * p[t]
+        joint = nxt
     return joint
 
 
@@ -100,12 +98,12 @@ DRAFTERS = {
 
 @pytest.fixture(scope="module")
 def joint(vocab8):
-    return exact_joint(vocab8[0])
+    return exact_joint(vocab8[0], 4)
 
 
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
 def test_first_tokens_follow_target_distribution(vocab8, joint, name):
-    target, draft = vocab8
+    target, draft, _ = vocab8
     use_model, ngram, tree = DRAFTERS[name]
     cfg = EngineConfig(num_slots=N, max_len=32, tree=TreeSpec.parse(tree), adaptive=False, token_budget=10**7)
     eng = SpeculativeEngine.from_checkpoints(target, [draft] if use_model else [], ngram=ngram, config=cfg)
@@ -125,6 +123,39 @@ def test_first_tokens_follow_target_distribution(vocab8, joint, name):
             counts[key] = counts.get(key, 0) + 1
         p = chi_square_p(counts, marginal(joint, idx), N)
         assert p > 1e-3, f"{name}: tokens {idx} deviate from the target distribution (p={p:.2e})"
+
+
+#: adaptivity on, budgets that cut sampled levels, merges of two sampled drafters (and an n-gram drafter)
+ADAPTIVE = {
+    # name: (draft models, ngram, tree, max nodes per request)
+    "width4-cut-merge": (2, False, "4,1", 4),
+    "width3-merge-ngram": (2, True, "3,1,1", 6),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTIVE))
+def test_tokens_follow_target_distribution_with_adaptivity_cuts_and_merges(vocab8, joint, name):
+    target, draft, draft2 = vocab8
+    n_models, ngram, tree, max_nodes = ADAPTIVE[name]
+    cfg = EngineConfig(num_slots=N, max_len=32, tree=TreeSpec.parse(tree), adaptive=True, token_budget=10**7,
+                       max_nodes_per_request=max_nodes)
+    eng = SpeculativeEngine.from_checkpoints(target, [draft, draft2][:n_models], ngram=ngram, config=cfg)
+    reqs = []
+    for i in range(N):
+        params = SamplingParams("sample", PARAMS.temperature, PARAMS.top_k, PARAMS.top_p, seed=5000 + i)
+        reqs.append(eng.add_request(eng.make_request(PROMPT, 5, params)))
+    eng.run()
+    outs = [tuple(r.output_ids[:4]) for r in reqs]
+    sizes = {n for r in reqs for n in r.stats.accepted_per_step}
+    assert len(sizes) > 1  # drafts were accepted in some steps and not in others
+    worst = 1.0
+    for idx in ((0, 1), (1, 2), (2, 3)):
+        counts = {}
+        for o in outs:
+            key = tuple(o[i] for i in idx)
+            counts[key] = counts.get(key, 0) + 1
+        worst = min(worst, chi_square_p(counts, marginal(joint, idx), N))
+    assert worst > 1e-3, f"{name}: tokens deviate from the target distribution (p={worst:.2e})"
 
 
 def test_chi_square_detects_a_wrong_distribution(joint):
@@ -147,7 +178,7 @@ def test_sampled_logprobs_are_the_warped_target_distribution(vocab8):
     for tokens accepted from a tree as well as bonus tokens."""
     from transformers import AutoModelForCausalLM
 
-    target, draft = vocab8
+    target, draft, _ = vocab8
     cfg = EngineConfig(num_slots=64, max_len=32, tree=TreeSpec.parse("2,2"), adaptive=False)
     eng = SpeculativeEngine.from_checkpoints(target, [draft], ngram=False, config=cfg)
     reqs = [eng.add_request(eng.make_request(PROMPT, 6, SamplingParams("sample", PARAMS.temperature, PARAMS.top_k,

@@ -1,8 +1,22 @@
-"""Token trees: hand-worked masks, depths, leaf paths, trie merge, truncation."""
+"""Token trees: hand-worked masks and depths, the draw log, trie merge in draw order, budgets, batch compilation."""
 
 import torch
 
-from specstream.stages.speculative.tree import Proposal, ProposalKind, TokenTree, chain_tree
+from specstream.stages.speculative.tree import (
+    Proposal,
+    ProposalKind,
+    QRef,
+    TokenTree,
+    ancestor_matrix,
+    chain_tree,
+    compile_trees,
+)
+
+Q = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]])
+
+
+def sampled(row=0, name="a"):
+    return Proposal(ProposalKind.SAMPLED, name, QRef(Q, row))
 
 
 def small_tree() -> TokenTree:
@@ -20,7 +34,7 @@ def small_tree() -> TokenTree:
     return t
 
 
-def test_ancestor_mask_depths_and_leaf_paths_by_hand():
+def test_ancestor_mask_and_depths_by_hand():
     ct = small_tree().compile()
     expected = torch.tensor([
         [1, 0, 0, 0, 0, 0],
@@ -34,33 +48,55 @@ def test_ancestor_mask_depths_and_leaf_paths_by_hand():
     assert ct.depths.tolist() == [0, 1, 1, 2, 2, 2]
     assert ct.parents.tolist() == [-1, 0, 0, 1, 2, 2]
     assert ct.tokens.tolist() == [10, 11, 12, 13, 14, 15]
-    assert ct.leaf_paths.tolist() == [[0, 1, 3], [0, 2, 4], [0, 2, 5]]
-    assert ct.children == ((1, 2), (3,), (4, 5), (), (), ())
+    assert small_tree().children(2) == [4, 5]
 
 
-def test_adding_an_existing_child_records_another_proposal():
+def test_adding_an_existing_child_logs_another_draw_in_order():
     t = TokenTree(1)
-    sampled = Proposal(ProposalKind.SAMPLED, "a", torch.tensor([0.5, 0.5]))
-    a = t.add(0, 7, sampled)
-    b = t.add(0, 7)
-    assert a == b == 1 and len(t) == 2
-    assert [p.kind for p in t.proposals[1]] == [ProposalKind.SAMPLED, ProposalKind.DETERMINISTIC]
-    assert [c for c, _ in t.parent_proposals[0]] == [1, 1]
+    a = t.add(0, 7, sampled())
+    b = t.add(0, 8, sampled())
+    c = t.add(0, 7, sampled())
+    assert (a, b, c) == (1, 2, 1) and len(t) == 3
+    # the draw log keeps [7, 8, 7]: the verifier tests them in this order
+    assert [(d.parent, t.tokens[d.child]) for d in t.draws] == [(0, 7), (0, 8), (0, 7)]
+    assert [d.child for d in t.draws_at(0)] == [1, 2, 1]
 
 
-def test_merge_is_a_trie_union_without_duplicates():
-    a = chain_tree([10, 11, 13])
+def test_merge_is_a_trie_union_keeping_each_drafters_draw_order():
+    a = TokenTree(10)
+    a.add(0, 11, sampled(0, "a"))
+    a.add(0, 12, sampled(0, "a"))
+    a.add(0, 11, sampled(0, "a"))  # [11, 12, 11] drawn in this order
     b = TokenTree(10)
-    b.add_path([11, 14])
-    b.add_path([12])
+    b.add_path([12, 14], Proposal(ProposalKind.DETERMINISTIC, "b"))
+    b.add_path([13], Proposal(ProposalKind.DETERMINISTIC, "b"))
     m = TokenTree.merge([a, b])
-    paths = sorted(tuple(m.path_tokens(i)) for i in range(len(m)) if not m.children[i])
-    assert paths == [(11, 13), (11, 14), (12,)]
-    assert len(m) == 5  # root, 11, 12, 13, 14: the shared 11 appears once
-    assert len(m.proposals[m.child(0, 11)]) == 2
+    at_root = [(m.tokens[d.child], d.proposal.drafter) for d in m.draws_at(0)]
+    assert at_root == [(11, "a"), (12, "a"), (11, "a"), (12, "b"), (13, "b")]  # never regrouped by value
+    assert len(m) == 5  # root, 11, 12, 13, 14: the shared 12 appears once
+    assert m.path_tokens(m.walk([12, 14])[-1]) == [12, 14]
 
 
-def test_merge_respects_node_budget_breadth_first():
+def test_merge_budget_charges_sampled_draws_even_when_they_duplicate():
+    a = TokenTree(0)
+    for tok in (1, 1, 2):
+        a.add(0, tok, sampled())
+    b = chain_tree([0, 1, 5])
+    # budget 4 nodes = 3 units: a's three sampled draws spend all of it (the duplicate 1 too), so b's
+    # deterministic 1 (already a child: free) is kept and its new child 5 is dropped
+    m = TokenTree.merge([a, b], max_nodes=4)
+    assert [m.tokens[d.child] for d in m.draws] == [1, 1, 2, 1]
+    assert len(m) == 3
+    # a budget that cuts inside the sampled draws keeps the first ones by position, whatever their values
+    for toks in ((1, 1, 2), (2, 1, 1), (3, 2, 1)):
+        a = TokenTree(0)
+        for tok in toks:
+            a.add(0, tok, sampled())
+        cut = TokenTree.merge([a, chain_tree([0, 9])], max_nodes=3)
+        assert [cut.tokens[d.child] for d in cut.draws if d.proposal.kind is ProposalKind.SAMPLED] == list(toks[:2])
+
+
+def test_deterministic_budget_by_nodes_breadth_first():
     a = chain_tree([0, 1, 2, 3, 4])
     b = chain_tree([0, 5, 6, 7, 8])
     m = TokenTree.merge([a, b], max_nodes=5)
@@ -68,8 +104,30 @@ def test_merge_respects_node_budget_breadth_first():
     assert sorted(m.depths) == [0, 1, 1, 2, 2]
 
 
-def test_truncated_keeps_parents_and_depth():
+def test_truncated_keeps_parents_order_and_depth():
     t = small_tree().truncated(max_nodes=10, max_depth=1)
     assert t.tokens == [10, 11, 12]
     t = small_tree().truncated(max_nodes=4)
     assert t.tokens == [10, 11, 12, 13]
+
+
+def test_compile_trees_pads_a_batch_and_tables_the_draws():
+    a = TokenTree(10)
+    a.add(0, 11, sampled(1))
+    a.add(0, 12, sampled(1))
+    a.add(0, 11, sampled(1))
+    a.add(1, 13)
+    b = chain_tree([20, 21])
+    ct = compile_trees([a, b], "cpu", vocab_size=6)
+    assert ct.tokens.tolist() == [[10, 11, 12, 13], [20, 21, 0, 0]]
+    assert ct.parents.tolist() == [[-1, 0, 0, 1], [-1, 0, -1, -1]]
+    assert ct.num_nodes.tolist() == [4, 2] and ct.host_draws == [4, 1]
+    assert ct.draw_child[0, 0].tolist() == [1, 2, 1]
+    assert ct.draw_uniform[0, 0].tolist() == [0, 1, 2] and ct.draw_uniform[0, 1, 0].item() == 3
+    assert ct.draw_kind[0, 0].tolist() == [1, 1, 1] and ct.draw_kind[0, 1, 0].item() == 0
+    assert ct.draw_child[1, 0].tolist() == [1, -1, -1]
+    # one q row shared by the three draws, zero-padded to the target vocabulary
+    assert ct.q.shape == (1, 6) and torch.allclose(ct.q[0], torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0, 0.0]))
+    anc = ancestor_matrix(ct.parents, ct.max_depth)
+    assert anc[0, 3].tolist() == [True, True, False, True]
+    assert anc[1, 2].tolist() == [False, False, True, False]  # padding sees itself only

@@ -4,7 +4,6 @@ rotation, full-resolution re-decoding, and typed errors on bad files without han
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 import media
+from binaries import require
 from specstream.errors import (
     CorruptMediaError,
     DecodeTimeoutError,
@@ -28,14 +28,14 @@ pytestmark = pytest.mark.timeout(120)
 def _ffmpeg_rgb(path, n: int, w: int, h: int) -> np.ndarray:
     """Frame ``n`` of ``path`` as RGB decoded by the ffmpeg CLI (an independent reference)."""
     out = subprocess.run(
-        [shutil.which("ffmpeg"), "-v", "error", "-i", str(path), "-vf", f"select=eq(n\\,{n})", "-frames:v", "1",
+        [require("ffmpeg"), "-v", "error", "-i", str(path), "-vf", f"select=eq(n\\,{n})", "-frames:v", "1",
          "-f", "rawvideo", "-pix_fmt", "rgb24", "-"], check=True, capture_output=True, timeout=60).stdout
     return np.frombuffer(out, np.uint8).reshape(h, w, 3)
 
 
 def _ffprobe_times(path) -> list[float]:
     out = subprocess.run(
-        [shutil.which("ffprobe"), "-v", "error", "-select_streams", "v", "-show_entries", "frame=pts_time",
+        [require("ffprobe"), "-v", "error", "-select_streams", "v", "-show_entries", "frame=pts_time",
          "-of", "csv=p=0", str(path)], check=True, capture_output=True, text=True, timeout=60).stdout
     return [float(x.strip(",")) for x in out.split()]
 

@@ -48,9 +48,9 @@ def _run(sm, engine, encs, processors=None, hypotheses=None, speculate=True):
     reqs = []
     for i, enc in enumerate(encs):
         procs = processors if processors is not None else sm.logits_processors(len(prompt))
-        req = engine.make_request(prompt, MAX_NEW, speculate=speculate, logits_processors=procs)
-        if hypotheses is not None:
-            temporal.set_hypothesis(req.request_id, hypotheses[i])
+        hyp = None if hypotheses is None else tuple(hypotheses[i])
+        assert hyp is None or temporal is not None
+        req = engine.make_request(prompt, MAX_NEW, speculate=speculate, logits_processors=procs, draft_hypothesis=hyp)
         reqs.append(engine.add_request(req, encoder_output=enc))
     engine.run()
     return [list(r.output_ids) for r in reqs], sum(r.stats.target_steps for r in reqs)
@@ -117,16 +117,18 @@ def test_engine_requires_encoder_output(sm, encs):
 
 def test_temporal_drafter_alignment():
     d = TemporalDrafter(max_ngram=3, max_branches=2)
-    d.set_hypothesis("r", [5, 6, 7, 5, 6, 8, 9])
+    hyp = (5, 6, 7, 5, 6, 8, 9)
     # suffix (5, 6) matches twice; with the cursor at 0 the earlier match comes first
-    assert d.continuations("r", [1, 2, 5, 6], 3) == [(2, [7, 5, 6]), (5, [8, 9])]
-    tree = d.propose([_inp("r", [1, 2, 5, 6], 6, 4)])[0]
+    assert d.continuations(hyp, [1, 2, 5, 6], 3) == [(2, [7, 5, 6]), (5, [8, 9])]
+    inp = _inp("r", [1, 2, 5, 6], 6, 4)
+    inp.hypothesis = hyp
+    tree = d.propose([inp])[0]
     assert tree.path_tokens(3) == [7, 5, 6] and len(tree) <= 6
-    d.observe("r", tree, (0, 1, 2, 3), [7, 5, 6])
-    assert d.continuations("r", [5, 6, 7, 5, 6], 3)[0] == (5, [8, 9])  # cursor moved past the first "5 6"
-    assert d.continuations("r", [42], 3) == []
-    d.release("r", 0)
-    assert d.hypothesis("r") is None
+    d.observe(inp.state, 0, tree, [7, 5, 6], [7, 5, 6])
+    assert inp.state["cursor"] == 5
+    assert d.continuations(hyp, [5, 6, 7, 5, 6], 3, inp.state["cursor"])[0] == (5, [8, 9])  # past the first "5 6"
+    assert d.continuations(hyp, [42], 3) == []
+    assert d.continuations(None, [5, 6], 3) == []
 
 
 def _inp(rid, context, budget, depth):
@@ -149,9 +151,9 @@ def test_logprobs_are_after_the_processors_and_independent_of_drafts(sm, encs):
         temporal = next((d for d in engine.executor.drafters if isinstance(d, TemporalDrafter)), None)
         reqs = []
         for i, enc in enumerate(encs):
-            req = engine.make_request(prompt, MAX_NEW, logits_processors=procs, logprobs=True)
-            if hyps is not None:
-                temporal.set_hypothesis(req.request_id, hyps[i])
+            assert hyps is None or temporal is not None
+            req = engine.make_request(prompt, MAX_NEW, logits_processors=procs, logprobs=True,
+                                      draft_hypothesis=None if hyps is None else tuple(hyps[i]))
             reqs.append(engine.add_request(req, encoder_output=enc))
         engine.run()
         return reqs

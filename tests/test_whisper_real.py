@@ -15,6 +15,7 @@ import pytest
 
 from specstream.modalities.audio import SAMPLE_RATE, load_audio, log_mel, mel_window
 from specstream.stages.speech import SpeechModel, transcribe, transcribe_main
+from binaries import require
 from whisper_fixtures import one_torch_thread, speech_cache, spoken  # noqa: F401  (fixtures)
 
 FW_OPTIONS = dict(beam_size=1, temperature=0.0, condition_on_previous_text=False, without_timestamps=True)
@@ -90,7 +91,7 @@ def test_previous_hypothesis_halves_decoder_steps(sm, spoken):
 
 def test_transcribe_command_on_video(sm, spoken, tmp_path, capsys):
     video = tmp_path / "clip.mp4"
-    subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-f", "lavfi", "-i", "color=c=blue:s=64x48:r=10",
+    subprocess.run([require("ffmpeg"), "-loglevel", "error", "-y", "-f", "lavfi", "-i", "color=c=blue:s=64x48:r=10",
                     "-i", str(spoken[0]), "-shortest", "-c:v", "libx264", "-c:a", "aac", str(video)], check=True)
     samples = load_audio(video)
     assert abs(len(samples) / SAMPLE_RATE - len(load_audio(spoken[0])) / SAMPLE_RATE) < 0.2
@@ -106,7 +107,7 @@ def test_transcribe_command_on_video(sm, spoken, tmp_path, capsys):
     assert transcribe_main([str(spoken[0]), "--format", "jsonl", "--drafter", "none", "--no-speculate"]) == 0
     rec = json.loads(capsys.readouterr().out.splitlines()[0])
     assert set(rec) == {"start_s", "end_s", "text"} and rec["start_s"] == 0.0
-    assert transcribe_main([str(tmp_path / "missing.wav")]) == 1
+    assert transcribe_main([str(tmp_path / "missing.wav"), "--format", "jsonl"]) == 1  # JSON mode: a JSON error
     assert json.loads(capsys.readouterr().err)["error"]["code"] == "audio_decode_error"
     assert transcribe_main([str(spoken[0]), "--format", "docx"]) == 2
 

@@ -249,10 +249,12 @@ def test_base_transcript_equals_faster_whisper(base, fw_base, spoken):
 
 
 def test_base_detects_the_language_and_translates(base, fw_base, tmp_path):
+    from binaries import require
+
     de = tmp_path / "de.wav"
-    subprocess.run(["espeak-ng", "-v", "de", "-s", "150", "-w", str(tmp_path / "de.raw.wav"),
+    subprocess.run([require("espeak-ng"), "-v", "de", "-s", "150", "-w", str(tmp_path / "de.raw.wav"),
                     "Guten Morgen, heute ist das Wetter schön und warm."], check=True, capture_output=True)
-    subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-i", str(tmp_path / "de.raw.wav"), "-ar", "16000", "-ac",
+    subprocess.run([require("ffmpeg"), "-loglevel", "error", "-y", "-i", str(tmp_path / "de.raw.wav"), "-ar", "16000", "-ac",
                     "1", str(de)], check=True)
     r = transcribe(de, base)
     _, info = fw_base.transcribe(str(de), beam_size=1)
@@ -294,6 +296,8 @@ def test_transcribe_command_selects_base_by_name(whisper_base_ct2, spoken, speec
             link.unlink()
         elif link.exists():
             shutil.rmtree(link)
-    assert transcribe_main([str(spoken[0]), "--model", "whisper-base"]) == 1
+    assert transcribe_main([str(spoken[0]), "--model", "whisper-base", "--format", "jsonl"]) == 1
     err = json.loads(capsys.readouterr().err)["error"]
     assert err["code"] == "checkpoint_not_found" and "specstream models fetch whisper-base" in err["message"]
+    assert transcribe_main([str(spoken[0]), "--max-chars", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error [invalid_request]: cue limits must be positive")

@@ -11,12 +11,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+
+from binaries import require
 
 #: the cache the tests were started with (``speech_cache`` points SPECSTREAM_CACHE elsewhere): a fetched
 #: whisper-base there is reused rather than fetched again
@@ -51,12 +52,10 @@ def speech_cache(tmp_path_factory):
 
 def speak(text: str, out: Path, rate_hz: int = 16000, wpm: int = 160) -> Path:
     """Speak ``text`` with espeak-ng into a ``rate_hz`` mono 16-bit WAV at ``out``."""
-    for tool in ("espeak-ng", "ffmpeg"):
-        if shutil.which(tool) is None:
-            pytest.fail(f"{tool} is required (apt-get install espeak-ng ffmpeg)")
+    espeak, ffmpeg = require("espeak-ng"), require("ffmpeg")
     raw = out.with_suffix(".raw.wav")
-    subprocess.run(["espeak-ng", "-s", str(wpm), "-w", str(raw), text], check=True, capture_output=True)
-    subprocess.run(["ffmpeg", "-loglevel", "error", "-y", "-i", str(raw), "-ar", str(rate_hz), "-ac", "1",
+    subprocess.run([espeak, "-s", str(wpm), "-w", str(raw), text], check=True, capture_output=True)
+    subprocess.run([ffmpeg, "-loglevel", "error", "-y", "-i", str(raw), "-ar", str(rate_hz), "-ac", "1",
                     "-c:a", "pcm_s16le", str(out)], check=True)
     raw.unlink()
     return out

@@ -1,9 +1,11 @@
 """Keyframe selection (stage 2 of captioning): scene detection on proxy frames, keyframes = scene starts.
 
 Public names: `select_keyframes`, `Keyframe`, `KeyframeSelector` (streaming), `SceneDetector` (interface),
-`SceneBoundary`, `HistogramDetector`, `HistogramDetectorParams`, `ClipDeduplicator` (optional, open_clip).
+`SceneBoundary`, `HistogramDetector`, `HistogramDetectorParams`, `MinSceneLengthArbiter` (the minimum scene length
+rule a detector applies: the stronger of two close boundaries wins), `ClipDeduplicator` (optional, open_clip).
 """
 
+from .arbiter import MinSceneLengthArbiter
 from .base import SceneBoundary, SceneDetector
 from .dedup import ClipDeduplicator, DeduplicatorUnavailable
 from .histogram import HistogramDetector, HistogramDetectorParams
@@ -26,6 +28,7 @@ __all__ = [
     "KeyframeRunStats",
     "KeyframeSelectionCancelled",
     "KeyframeSelector",
+    "MinSceneLengthArbiter",
     "SceneBoundary",
     "SceneDetector",
     "select_keyframes",

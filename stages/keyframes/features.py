@@ -2,9 +2,10 @@
 
 A frame's feature is an HSV colour histogram (``H_BINS`` hue + ``S_BINS`` saturation + ``V_BINS`` value
 bins; soft binning: each pixel is shared linearly between the two nearest bin centres, so a small colour shift
-moves the histogram a little instead of flipping whole bins; hue is circular) and its mean luma. Histogram
-values are integers in units of 1e-4 of the pixels (``HIST_UNIT``), so a feature serialises to short JSON
-integers, exactly.
+moves the histogram a little instead of flipping whole bins; hue is circular), its mean luma and the standard
+deviation of its luma (a near-uniform frame — black, white, a flat colour — has almost none). Histogram
+values are integers in units of 1e-4 of the pixels (``HIST_UNIT``), so a feature serialises exactly, as short
+JSON integers or as a 88-character base64 string (`encode_hist` / `decode_hist`).
 The distance between two frames is the mean over the three channels of the total-variation distance between
 their normalised histograms: 0 for identical colour distributions, 1 for disjoint ones. Colour histograms
 ignore where things are, so camera and object motion inside a scene move the distance little while a cut
@@ -14,6 +15,8 @@ moves it a lot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import base64
 
 import numpy as np
 
@@ -29,6 +32,7 @@ class FrameFeature:
 
     hist: np.ndarray  # [H_BINS + S_BINS + V_BINS] int64 pixel fraction per bin * HIST_UNIT (channel sums ~HIST_UNIT)
     luma: float  # mean luma (BT.601) in [0, 1]
+    luma_std: float  # standard deviation of the luma over the pixels, in [0, 1] (0 for a uniform frame)
 
 
 def rgb_to_hsv(image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -78,8 +82,8 @@ def frame_feature(image: np.ndarray) -> FrameFeature:
     )
     hist = np.round(hist * HIST_UNIT).astype(np.int64)
     rgb = image.reshape(-1, 3).astype(np.float32)
-    luma = float((rgb @ np.array([0.299, 0.587, 0.114], np.float32)).mean() / 255.0)
-    return FrameFeature(hist=hist, luma=luma)
+    y = rgb @ np.array([0.299, 0.587, 0.114], np.float32)
+    return FrameFeature(hist=hist, luma=float(y.mean() / 255.0), luma_std=float(y.std() / 255.0))
 
 
 def _soft_hist(x: np.ndarray, bins: int, circular: bool = False) -> np.ndarray:
@@ -102,3 +106,23 @@ def _soft_hist(x: np.ndarray, bins: int, circular: bool = False) -> np.ndarray:
 def hist_distance(a: np.ndarray, b: np.ndarray) -> float:
     """Mean over H, S, V of the total-variation distance of two `FrameFeature.hist` vectors; in [0, 1]."""
     return min(1.0, float(np.abs(np.asarray(a) - np.asarray(b)).sum()) / (6.0 * HIST_UNIT))
+
+
+def is_near_uniform(image: np.ndarray, max_luma_std: float = 4 / 255) -> bool:
+    """True when the BT.601 luma of ``image`` ([H, W, 3] uint8 RGB, any size) has a standard deviation below
+    ``max_luma_std`` (in [0, 1]): a black, white or flat-colour frame, which shows no scene. Raises ValueError on
+    another shape/dtype."""
+    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise ValueError(f"expected [h, w, 3] uint8 RGB, got {image.shape} {image.dtype}")
+    y = image.reshape(-1, 3).astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32)
+    return float(y.std()) / 255.0 < max_luma_std
+
+
+def encode_hist(hist: np.ndarray) -> str:
+    """`FrameFeature.hist` -> base64 text of its values as little-endian uint16 (exact: values are <= HIST_UNIT)."""
+    return base64.b64encode(np.asarray(hist, dtype="<u2").tobytes()).decode("ascii")
+
+
+def decode_hist(text: str) -> np.ndarray:
+    """Inverse of `encode_hist`: [H_BINS + S_BINS + V_BINS] int64."""
+    return np.frombuffer(base64.b64decode(text), dtype="<u2").astype(np.int64)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .base import SceneBoundary, SceneDetector
+from .features import is_near_uniform
 from .histogram import HistogramDetector, HistogramDetectorParams
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ class KeyframeRunStats:
     keyframes: int = 0
     dropped_by_cap: int = 0
     dropped_as_duplicates: int = 0
+    dropped_as_blank: int = 0  # keyframes whose full-resolution image was near-uniform (never yielded)
     backend: str | None = None  # proxy-decoding backend that finished the pass ("decord" or "pyav")
     backend_notes: list[str] = field(default_factory=list)
     duration_s: float | None = None  # last proxy frame's timestamp
@@ -119,7 +121,7 @@ class KeyframeRun:
     ``info`` (the `VideoInfo`) are filled during iteration."""
 
     def __init__(self, path: str, *, detector_factory, max_keyframes_per_minute, decode_images, proxy_long_side,
-                 backend, stall_timeout_s, deduplicator, cancel=None):
+                 backend, stall_timeout_s, deduplicator, cancel=None, blank_std=4 / 255):
         self.path = path
         self._cancel = cancel
         self._detector_factory = detector_factory
@@ -129,6 +131,7 @@ class KeyframeRun:
         self._backend = backend
         self._stall = stall_timeout_s
         self._dedup = deduplicator
+        self._blank_std = blank_std
         self.info = None
         self.stats = KeyframeRunStats(options={
             "max_keyframes_per_minute": max_keyframes_per_minute, "decode_images": decode_images,
@@ -186,6 +189,11 @@ class KeyframeRun:
             for k, img in zip(keyframes, images):
                 if self._cancel is not None and self._cancel.is_set():
                     raise KeyframeSelectionCancelled(f"keyframe selection of {self.path} cancelled")
+                if img is not None and is_near_uniform(img, self._blank_std):
+                    # the detector never picks a blank proxy; a full frame can still be flat where its proxy
+                    # was not (e.g. a decoder that disagrees): a blank image is never sent on as a scene
+                    self.stats.dropped_as_blank += 1
+                    continue
                 if self._dedup is not None and img is not None:
                     emb = self._dedup.embed([img])[0]
                     if last is not None and float(emb @ last) >= self._dedup.threshold:
@@ -216,6 +224,12 @@ def select_keyframes(
 ) -> KeyframeRun:
     """Select the keyframes of the video at ``path``: the first frame of each scene.
 
+    Guarantees (with the default "histogram" detector; see docs/keyframes.md for what they rest on): every scene
+    at least ``min_scene_len_s`` long (0.5 s) whose start the detector finds gets a keyframe, unless a stronger
+    boundary lies less than that before it; flashes up to ``max_flash_s`` (0.2 s) and dips to black or white
+    inside one shot give none; a fade through black or white gives one, on the first stable frame of the new
+    scene; no keyframe image is near-uniform (luma standard deviation below ``blank_std``, 4/255).
+
     Proxy frames (longer side ``proxy_long_side`` px) are decoded in a child process (``backend``: "auto",
     "decord" or "pyav"; see `specstream.modalities.video`) and scored by ``detector`` (only "histogram" so far;
     ``detector_params``: a `HistogramDetectorParams`). ``max_keyframes_per_minute`` caps keyframes in any 60-s
@@ -235,8 +249,9 @@ def select_keyframes(
     def factory() -> SceneDetector:
         return det_cls(detector_params) if detector_params is not None else det_cls()
 
+    params = detector_params or HistogramDetectorParams()
     return KeyframeRun(
         os.fspath(path), detector_factory=factory, max_keyframes_per_minute=max_keyframes_per_minute,
         decode_images=decode_images, proxy_long_side=proxy_long_side, backend=backend,
-        stall_timeout_s=stall_timeout_s, deduplicator=deduplicator, cancel=cancel,
+        stall_timeout_s=stall_timeout_s, deduplicator=deduplicator, cancel=cancel, blank_std=params.blank_std,
     )

@@ -97,10 +97,13 @@ class SpeculativeEngine:
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
     def from_checkpoints(cls, target: str | os.PathLike, drafts: list[str | os.PathLike] = (), ngram: bool = False,
-                         config: EngineConfig | None = None, dtype: str = "float32", device: str = "cpu"):
+                         config: EngineConfig | None = None, dtype: str = "float32", device: str = "cpu",
+                         draft_dtype: str | None = None):
         """Load a target and draft checkpoints (dirs or hub ids) and build an engine.
 
-        With no drafts and ``ngram`` False, no speculation happens (one token per target step).
+        With no drafts and ``ngram`` False, no speculation happens (one token per target step). ``draft_dtype``
+        (default: ``dtype``) may be lower than the target's: a draft's precision changes how often its tokens
+        are accepted, never what is committed.
 
         Raises:
             CheckpointNotFoundError, UnsupportedArchitectureError, TokenizerMismatchError.
@@ -115,7 +118,7 @@ class SpeculativeEngine:
         for i, d in enumerate(drafts):
             dckpt = resolve_checkpoint(d)
             check_same_tokenizer(tckpt, dckpt)
-            dmodel = load_decoder(dckpt, dtype, device)
+            dmodel = load_decoder(dckpt, draft_dtype or dtype, device)
             drafters.append(ModelDrafter(dmodel, config.num_slots, max_len, config.tree,
                                          vocab_limit=min(vocab_limit, tmodel.config.vocab_size),
                                          target_vocab=tmodel.config.vocab_size, name=f"draft{i}"))
@@ -178,6 +181,7 @@ class SpeculativeEngine:
             raise InvalidRequestError("this target decoder needs an encoder output per request (given here, or "
                                       "stored in executor.encoder_outputs by the encoder of its encode items)")
         self.scheduler.add(request)
+        self.executor.admit(request)
         if encoder_output is not None:
             self.executor.encoder_outputs[request.request_id] = encoder_output
         if on_tokens is not None:

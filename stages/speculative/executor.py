@@ -1,9 +1,17 @@
 """The executor: owns the device, the models and their KV caches; runs one :class:`StepPlan` per call.
 
 Per step (SpecInfer §4): drafters propose a token tree per decoding request (draft forwards batched across
-requests) -> one target forward verifies every tree of the batch and prefills the newly admitted prompts ->
-each request's accepted path (+ bonus token) is committed -> KV commit: the accepted nodes' keys/values are
-compacted so each slot holds exactly prompt + committed tokens.
+requests) -> the trees are merged per request and compiled once into padded tensors -> one target forward
+verifies every tree of the batch and prefills the newly admitted prompts -> verification runs batched on the
+device (greedy matching, or multi-step speculative sampling with residuals) -> one host copy brings back each
+request's accepted path, bonus token, a finite flag and, when asked, log-probabilities -> KV commit: one
+batched gather moves every request's accepted keys/values into place, so each slot holds exactly prompt +
+committed tokens.
+
+Host syncs per step: one per draft depth (the chosen draft token ids) and one for verification. Nothing of the
+vocabulary ever crosses to the host. Everything the executor keeps about a request lives in one
+:class:`RequestState`, created at admission (:meth:`SpeculativeExecutor.admit`) and dropped in one place
+(:meth:`SpeculativeExecutor.drop`).
 """
 
 from __future__ import annotations
@@ -11,19 +19,25 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, MutableMapping
+from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from specstream.kernels.sampling import target_probs
-from specstream.kernels.tree_attention import build_tree_mask
-from specstream.kernels.verification import VerifyResult, sample_from, verify_greedy, verify_stochastic
+from specstream.kernels.tree_attention import tree_mask
+from specstream.kernels.verification import (
+    path_from_last,
+    sample_inverse_cdf,
+    verify_greedy_batch,
+    verify_stochastic_batch,
+)
 from specstream.schedulers.plan import (
     DecodeWork,
     EncodeResult,
     EncodeWork,
+    PrefillWork,
+    Request,
     RequestStepResult,
     StepOutput,
     StepPlan,
@@ -31,21 +45,85 @@ from specstream.schedulers.plan import (
 from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
 from specstream.stages.speculative.logits import apply_logits_processors
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
-from specstream.stages.speculative.tree import TokenTree
+from specstream.stages.speculative.tree import CompiledTrees, TokenTree, ancestor_matrix, compile_trees
+
+#: a prefill joins the decode rows' forward only when it is at most this many times longer than the widest tree
+#: (padding every tree row to a long prompt would multiply the step's work); otherwise it gets its own forward
+MERGE_PREFILL_FACTOR = 2
+
+
+@dataclass
+class RequestState:
+    """Everything the executor keeps about one request, from admission until it ends.
+
+    Attributes:
+        request: the scheduler's request object (token ids, limits, sampling, output so far).
+        rng: the request's own random stream (draft sampling and verification uniforms).
+        budget: adaptive tree size.
+        prefix_embeds: ``[n_prompt, hidden]`` prompt embeddings replacing the token embeddings at prefill (a
+            VLM's visual tokens spliced in), or None.
+        encoder_output: an encoder-decoder target's per-request encoder output (or its projected
+            cross-attention keys/values), handed to the target at prefill; kept across preemption.
+        drafters: per drafter name, that drafter's scratch for this request.
+    """
+
+    request: Request
+    rng: random.Random
+    budget: AdaptiveBudget
+    prefix_embeds: torch.Tensor | None = None
+    encoder_output: object | None = None
+    drafters: dict[str, dict] = field(default_factory=dict)
+
+
+class _StateField(MutableMapping):
+    """``request id -> RequestState.<field>`` as a mapping (stages store encoder outputs this way)."""
+
+    def __init__(self, executor: "SpeculativeExecutor", name: str):
+        self._ex, self._name = executor, name
+
+    def __getitem__(self, rid):
+        st = self._ex.states.get(rid)
+        value = None if st is None else getattr(st, self._name)
+        if value is None:
+            raise KeyError(rid)
+        return value
+
+    def __setitem__(self, rid, value):
+        st = self._ex.states.get(rid)
+        if st is None:
+            raise KeyError(f"request {rid!r} is not admitted to the executor")
+        setattr(st, self._name, value)
+
+    def __delitem__(self, rid):
+        self[rid]  # KeyError when absent
+        setattr(self._ex.states[rid], self._name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([rid for rid, st in self._ex.states.items() if getattr(st, self._name) is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for st in self._ex.states.values() if getattr(st, self._name) is not None)
 
 
 @dataclass
 class _Row:
-    request_id: str
+    """One row of the target forward: a prefill or a decode step of one request."""
+
+    state: RequestState
+    work: PrefillWork | DecodeWork
     slot: int
+    prefix: int  # committed cache length before the row (0 for a prefill)
     tokens: list[int]
-    positions: list[int]
-    columns: list[int]
-    ancestor: torch.Tensor  # [T_b, T_b]
-    prefix: int
-    logit_rows: list[int]
-    tree: TokenTree | None  # None for a prefill
-    work: object
+    tree: TokenTree | None = None  # None for a prefill
+    tree_index: int = -1  # index into the step's compiled trees
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.tree is None
+
+    @property
+    def request(self) -> Request:
+        return self.state.request
 
 
 class SpeculativeExecutor:
@@ -58,6 +136,9 @@ class SpeculativeExecutor:
         max_len: tokens per slot (prompt + output).
         full_nodes: tree size a request asks for when its drafts are accepted well (root included).
         adaptive: shrink trees of requests whose recent acceptance is low.
+        attention_layers: layers whose attention on visual tokens is exported (None: the second half).
+        visual_aware: shrink trees where the target looks hard at the image (text-only drafts are weakest there).
+        visual_mass_threshold: attention mass on the image above which trees shrink.
     """
 
     def __init__(self, target: LlamaDecoder, drafters: list[Drafter], num_slots: int, max_len: int,
@@ -65,19 +146,19 @@ class SpeculativeExecutor:
                  visual_aware: bool = False, visual_mass_threshold: float = 0.3):
         self.target = target
         self.drafters = list(drafters)
+        names = [d.name for d in self.drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafter names must be unique, got {names}")
         self.max_len = max_len
         self.cache = target.new_cache(num_slots, max_len)
         self.full_nodes = full_nodes
         self.adaptive = adaptive
-        self._rngs: dict[str, random.Random] = {}
-        self._budgets: dict[str, AdaptiveBudget] = {}
+        self.states: dict[str, RequestState] = {}
         self.target_forwards = 0
-        self.prefix_embeds: dict[str, torch.Tensor] = {}
         n_layers = len(target.model.layers) if hasattr(target, "model") and hasattr(target.model, "layers") else 0
         #: layers whose attention on visual tokens is exported (default: the second half of the decoder)
         self.attention_layers = tuple(attention_layers) if attention_layers is not None else tuple(
             range(n_layers // 2, n_layers))
-        #: shrink the tree where the target looks hard at the image (text-only drafts are weakest there)
         self.visual_aware = visual_aware
         #: measured draft time / verify time of steps with drafts (EMA); adaptivity weighs acceptance against it
         #: (``cost_aware`` False: acceptance alone decides, deterministic — what the simulator models)
@@ -85,33 +166,57 @@ class SpeculativeExecutor:
         self.cost_aware = True
         self.visual_mass_threshold = visual_mass_threshold
         #: encoder registry: modality -> callable run on each :class:`EncodeWork` of that modality. It encodes
-        #: the items (found by ``item_id``) and may store ``prefix_embeds`` for their requests.
+        #: the items (found by ``item_id``) and stores per-request outputs through :attr:`prefix_embeds` or
+        #: :attr:`encoder_outputs`.
         self.encoders: dict[str, Callable[[EncodeWork], None]] = {}
-        # request id -> encoder output [S_enc, d] (encoder-decoder targets), handed to the target at prefill
-        self.encoder_outputs: dict[str, torch.Tensor] = {}
+        #: request id -> prompt embeddings (a view of :attr:`states`)
+        self.prefix_embeds: MutableMapping = _StateField(self, "prefix_embeds")
+        #: request id -> encoder output (a view of :attr:`states`)
+        self.encoder_outputs: MutableMapping = _StateField(self, "encoder_output")
 
-    # -- bookkeeping ----------------------------------------------------------------------------------------
-    def release(self, request_id: str, slot: int) -> None:
-        self.cache.reset(slot)
+    # -- per-request state: one record, created at admission, dropped in one place --------------------------
+    def admit(self, request: Request) -> RequestState:
+        """Create the request's record (idempotent)."""
+        st = self.states.get(request.request_id)
+        if st is None:
+            st = RequestState(request, random.Random(request.sampling.seed), AdaptiveBudget(full_nodes=self.full_nodes))
+            self.states[request.request_id] = st
+        return st
+
+    def drop(self, request_id: str) -> None:
+        """Forget everything about a request (its slot must already be freed)."""
+        self.states.pop(request_id, None)
+
+    def _free_slot(self, slot: int, clear: bool = False) -> None:
+        if clear:
+            self.cache.clear(slot)
+        else:
+            self.cache.reset(slot)
         for d in self.drafters:
-            d.release(request_id, slot)
-        self._rngs.pop(request_id, None)
-        self._budgets.pop(request_id, None)
-        self.prefix_embeds.pop(request_id, None)
-        self.encoder_outputs.pop(request_id, None)
+            d.release(slot)
+
+    def release(self, request_id: str, slot: int) -> None:
+        """A finished request: free its slot and drop its record."""
+        self._free_slot(slot)
+        self.drop(request_id)
+
+    def fail(self, request_id: str, slot: int) -> None:
+        """A failed request: zero its slot's keys/values (nothing of it reaches the slot's next request) and
+        drop its record."""
+        self._free_slot(slot, clear=True)
+        self.drop(request_id)
 
     def preempt(self, request_id: str, slot: int) -> None:
-        """Free a preempted request's KV cache (target and drafters); keep what its resume needs: the random
-        stream, the adaptive tree budget, the prefix embeddings and, for an encoder-decoder target, the slot's
-        encoder output (its cross-attention keys/values, copied out before the slot is freed)."""
+        """Free a preempted request's KV cache (target and drafters); keep its record (random stream, adaptive
+        tree budget, prefix embeddings) and, for an encoder-decoder target, the slot's encoder output (its
+        cross-attention keys/values, copied out before the slot is freed)."""
+        st = self.states.get(request_id)
         saved = getattr(self.target, "saved_encoder_output", None)
-        if saved is not None and request_id not in self.encoder_outputs:
-            kv = saved(self.cache, slot)
-            if kv is not None:
-                self.encoder_outputs[request_id] = kv
-        self.cache.reset(slot)
-        for d in self.drafters:
-            d.release(request_id, slot)
+        if st is not None and saved is not None and st.encoder_output is None:
+            st.encoder_output = saved(self.cache, slot)
+        if st is not None:
+            st.drafters.clear()  # their caches are freed: nothing fed survives
+        self._free_slot(slot)
 
     def _encode(self, works: tuple[EncodeWork, ...]) -> tuple[EncodeResult, ...]:
         results = []
@@ -128,85 +233,71 @@ class SpeculativeExecutor:
             results.extend(EncodeResult(rid, item.item_id, error) for rid, item in work.items)
         return tuple(results)
 
-    def _rng(self, request_id: str, seed: int) -> random.Random:
-        if request_id not in self._rngs:
-            self._rngs[request_id] = random.Random(seed)
-        return self._rngs[request_id]
-
-    def _budget(self, request_id: str) -> AdaptiveBudget:
-        if request_id not in self._budgets:
-            self._budgets[request_id] = AdaptiveBudget(full_nodes=self.full_nodes)
-        return self._budgets[request_id]
-
     # -- drafting -------------------------------------------------------------------------------------------
-    def _draft(self, decodes: tuple[DecodeWork, ...]) -> tuple[dict[str, TokenTree], float]:
+    def _draft(self, decodes: tuple[DecodeWork, ...]) -> tuple[list[TokenTree], float]:
         t0 = time.perf_counter()
-        trees: dict[str, TokenTree] = {}
-        inputs = []
-        for work in decodes:
+        trees: list[TokenTree | None] = [None] * len(decodes)
+        drafting = []
+        for j, work in enumerate(decodes):
             req = work.request
             if work.node_budget > 1 and work.max_depth > 0 and self.drafters:
-                inputs.append(DraftInput(req.request_id, work.slot, req.draft_context, work.node_budget, work.max_depth,
-                                         req.sampling, self._rng(req.request_id, req.sampling.seed)))
+                drafting.append(j)
             else:
-                trees[req.request_id] = TokenTree(req.context[-1])
-        if inputs:
-            proposals = [d.propose(inputs) for d in self.drafters]
-            for i, inp in enumerate(inputs):
-                mine = [p[i] for p in proposals]
-                tree = mine[0] if len(mine) == 1 else TokenTree.merge(mine, max_nodes=inp.node_budget)
-                if len(tree) > inp.node_budget or tree.max_depth > inp.max_depth:
-                    tree = tree.truncated(inp.node_budget, inp.max_depth)
-                trees[inp.request_id] = tree
+                trees[j] = TokenTree(req.context[-1])
+        if drafting:
+            proposals = []
+            for d in self.drafters:
+                inputs = []
+                for j in drafting:
+                    work = decodes[j]
+                    req = work.request
+                    st = self.states[req.request_id]
+                    inputs.append(DraftInput(req.request_id, work.slot, req.draft_context, work.node_budget,
+                                             work.max_depth, req.sampling, st.rng,
+                                             st.drafters.setdefault(d.name, {}), req.draft_hypothesis))
+                proposals.append(d.propose(inputs))
+            for k, j in enumerate(drafting):
+                mine = [p[k] for p in proposals]
+                budget = decodes[j].node_budget
+                tree = TokenTree.merge(mine, max_nodes=budget) if len(mine) > 1 else mine[0]
+                if len(tree) > budget or tree.max_depth > decodes[j].max_depth:
+                    tree = tree.truncated(budget, decodes[j].max_depth)
+                trees[j] = tree
         return trees, time.perf_counter() - t0
 
     # -- the step -------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Run ``plan``: draft, one target forward for the whole batch, verify, commit."""
+        """Run ``plan``: draft, target forward(s), batched verification on the device, one host copy, commit."""
         t_start = time.perf_counter()
         for request_id, slot in plan.released:
             self.release(request_id, slot)
         for request_id, slot in plan.preempted:
             self.preempt(request_id, slot)
+        for work in plan.prefills:
+            self.admit(work.request)
+        for work in plan.decodes:
+            self.admit(work.request)
         encoded = self._encode(plan.encodes)
         if not plan.prefills and not plan.decodes:
             return StepOutput(plan.step, (), 0, 0, time.perf_counter() - t_start, encoded)
         trees, draft_s = self._draft(plan.decodes)
-        drafted = any(len(t) > 1 for t in trees.values())
+        drafted = any(len(t) > 1 for t in trees)
+        t_verify = time.perf_counter()
         rows: list[_Row] = []
         for work in plan.prefills:
-            req = work.request
-            tokens = work.tokens  # prompt, + committed output when resuming after preemption
-            n = len(tokens)
+            st = self.states[work.request.request_id]
             self.cache.reset(work.slot)
-            enc = self.encoder_outputs.pop(req.request_id, None)
-            if enc is not None:
-                self.target.set_encoder_output(self.cache, work.slot, enc)
-            rows.append(_Row(req.request_id, work.slot, list(tokens), list(range(n)), list(range(n)),
-                             torch.ones((n, n), dtype=torch.bool).tril_(), 0, [n - 1], None, work))
-        for work in plan.decodes:
-            req = work.request
-            tree = trees[req.request_id]
-            ct = tree.compile()
-            base = self.cache.lengths[work.slot]
-            t = ct.num_nodes
-            rows.append(_Row(req.request_id, work.slot, ct.tokens.tolist(), (base + ct.depths).tolist(),
-                             list(range(base, base + t)), ct.ancestor_mask, base, list(range(t)), tree, work))
-        t_verify = time.perf_counter()
-        logits, attn = self._target_forward(rows)
-        visual = self._visual_attention(rows, attn)
-        finite = torch.isfinite(logits).all(-1)  # [B, R], before processors add their -inf
-        if any(row.work.request.logits_processors for row in rows):
-            logits = logits.clone()  # an inference tensor cannot be edited in place
-        for i, row in enumerate(rows):
-            procs = row.work.request.logits_processors
-            if procs and bool(finite[i, : len(row.logit_rows)].all()):
-                r = len(row.logit_rows)
-                logits[i, :r] = apply_logits_processors(procs, self._histories(row), logits[i, :r])
-        dists = self._target_distributions(rows, logits, finite)
-        results = []
-        for i, row in enumerate(rows):
-            results.append(self._commit(row, logits[i, : len(row.logit_rows)], dists[i], visual[i]))
+            if st.encoder_output is not None:
+                self.target.set_encoder_output(self.cache, work.slot, st.encoder_output)
+                st.encoder_output = None  # in the slot now (a preemption copies it out again)
+            rows.append(_Row(st, work, work.slot, 0, list(work.tokens)))
+        compiled = None
+        if plan.decodes:
+            compiled = compile_trees(trees, self.target.device, self.target.config.vocab_size)
+            for j, (work, tree) in enumerate(zip(plan.decodes, trees)):
+                st = self.states[work.request.request_id]
+                rows.append(_Row(st, work, work.slot, self.cache.lengths[work.slot], tree.tokens, tree, j))
+        results = self._run_rows(rows, compiled)
         verify_s = time.perf_counter() - t_verify
         if drafted and verify_s > 0 and self.cost_aware:
             ratio = draft_s / verify_s
@@ -216,166 +307,342 @@ class SpeculativeExecutor:
             dataclasses.replace(r, draft_s=0.0 if r.is_prefill else draft_s / n_dec, verify_s=verify_s / len(rows))
             for r in results
         ]
-        return StepOutput(plan.step, tuple(results), 1, sum(len(r.tokens) for r in rows),
+        return StepOutput(plan.step, tuple(results), self._forwards_this_step, sum(len(r.tokens) for r in rows),
                           time.perf_counter() - t_start, encoded)
 
-    def _target_forward(self, rows: list[_Row]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """One target forward over every row; returns (logits ``[B, R, V]`` on CPU, attention probs of
-        :attr:`attention_layers` ``{layer: [B, Hq, T, S]}`` when a row has a visual span, else ``{}``)."""
+    # -- target forward -------------------------------------------------------------------------------------
+    def _groups(self, rows: list[_Row]) -> list[list[int]]:
+        """Rows per target forward: the decodes together, with prefills that are not much longer."""
+        widest_tree = max((len(r.tokens) for r in rows if not r.is_prefill), default=0)
+        if widest_tree == 0:
+            return [list(range(len(rows)))]
+        merged, alone = [], []
+        for i, r in enumerate(rows):
+            if r.is_prefill and len(r.tokens) > MERGE_PREFILL_FACTOR * max(widest_tree, 8):
+                alone.append(i)
+            else:
+                merged.append(i)
+        return ([alone] if alone else []) + [merged]
+
+    def _run_rows(self, rows: list[_Row], compiled: CompiledTrees | None) -> list[RequestStepResult]:
+        self._forwards_this_step = 0
+        out: list[RequestStepResult | None] = [None] * len(rows)
+        for group in self._groups(rows):
+            part = [rows[i] for i in group]
+            for i, res in zip(group, self._forward_and_verify(part, compiled)):
+                out[i] = res
+        return out  # type: ignore[return-value]
+
+    def _forward_and_verify(self, rows: list[_Row], compiled: CompiledTrees | None) -> list[RequestStepResult]:
         device = self.target.device
         b = len(rows)
         t = max(len(r.tokens) for r in rows)
-        r_max = max(len(r.logit_rows) for r in rows)
+        dec_idx = [i for i, r in enumerate(rows) if not r.is_prefill]
+        pre_idx = [i for i, r in enumerate(rows) if r.is_prefill]
+        # ids, positions, write columns, ancestors: prefill rows from host lists, tree rows from compiled tensors
+        ids = torch.zeros((b, t), dtype=torch.long, device=device)
+        pos = torch.zeros((b, t), dtype=torch.long, device=device)
+        cols = torch.full((b, t), self.cache.scratch, dtype=torch.long, device=device)
+        anc = torch.zeros((b, t, t), dtype=torch.bool, device=device)
+        prefix = torch.tensor([r.prefix for r in rows], dtype=torch.long, device=device)
+        sizes = torch.tensor([len(r.tokens) for r in rows], dtype=torch.long, device=device)
+        arange_t = torch.arange(t, device=device)
+        tree_anc = None
+        sub = None
+        if dec_idx:
+            sub = self._subset(compiled, [rows[i].tree_index for i in dec_idx])
+            tw = sub.width
+            tree_anc = ancestor_matrix(sub.parents, sub.max_depth)
+            d = torch.tensor(dec_idx, device=device)
+            ids[d, :tw] = sub.tokens
+            pos[d, :tw] = prefix[d, None] + sub.depths
+            valid = arange_t[None, :tw] < sub.num_nodes[:, None]
+            cols[d, :tw] = torch.where(valid, prefix[d, None] + arange_t[None, :tw],
+                                       torch.full_like(sub.tokens, self.cache.scratch))
+            anc[d, :tw, :tw] = tree_anc
+        if pre_idx:
+            p = torch.tensor(pre_idx, device=device)
+            lens = sizes[p]
+            valid = arange_t[None, :] < lens[:, None]
+            ids[p] = torch.tensor([rows[i].tokens + [0] * (t - len(rows[i].tokens)) for i in pre_idx], device=device)
+            pos[p] = arange_t.expand(len(pre_idx), t)
+            cols[p] = torch.where(valid, arange_t[None, :], torch.full_like(pos[p], self.cache.scratch))
+            anc[p] = torch.ones((t, t), dtype=torch.bool, device=device).tril_()
         key_len = max(r.prefix + len(r.tokens) for r in rows)
-        ids = np.zeros((b, t), dtype=np.int64)
-        pos = np.zeros((b, t), dtype=np.int64)
-        cols = np.full((b, t), self.cache.scratch, dtype=np.int64)
-        lidx = np.zeros((b, r_max), dtype=np.int64)
-        for i, r in enumerate(rows):
-            n = len(r.tokens)
-            ids[i, :n] = r.tokens
-            pos[i, :n] = r.positions
-            cols[i, :n] = r.columns
-            lidx[i, : len(r.logit_rows)] = r.logit_rows
-        ids, pos, cols, lidx = (torch.from_numpy(a) for a in (ids, pos, cols, lidx))
-        mask = build_tree_mask(torch.tensor([r.prefix for r in rows]), [r.ancestor for r in rows], key_len, t)
+        mask = tree_mask(prefix, anc, sizes, key_len)
+        r_max = max(1 if r.is_prefill else len(r.tokens) for r in rows)
+        lidx = arange_t[None, :r_max].expand(b, r_max).clone() if r_max <= t else None
+        if pre_idx:
+            lidx[torch.tensor(pre_idx, device=device)] = 0
+            lidx[torch.tensor(pre_idx, device=device), 0] = sizes[torch.tensor(pre_idx, device=device)] - 1
         embeds = None
-        if any(r.tree is None and r.request_id in self.prefix_embeds for r in rows):
-            embeds = self.target.embed(ids.to(device))
+        if any(r.is_prefill and r.state.prefix_embeds is not None for r in rows):
+            embeds = self.target.embed(ids)
             for i, r in enumerate(rows):
-                pe = self.prefix_embeds.get(r.request_id)
-                if r.tree is None and pe is not None:
-                    embeds[i, : pe.shape[0]] = pe.to(embeds.dtype)
+                pe = r.state.prefix_embeds
+                if r.is_prefill and pe is not None:
+                    embeds[i, : pe.shape[0]] = pe.to(device=embeds.device, dtype=embeds.dtype)
+        want_attn = any(r.request.visual_span for r in rows)
         batch = ForwardBatch(
             slots=torch.tensor([r.slot for r in rows], dtype=torch.long, device=device),
-            input_ids=ids.to(device), position_ids=pos.to(device), write_index=cols.to(device),
-            attn_mask=mask.to(device), logit_index=lidx.to(device), inputs_embeds=embeds,
-            attention_layers=self.attention_layers if any(r.work.request.visual_span for r in rows) else (),
+            input_ids=ids, position_ids=pos, write_index=cols, attn_mask=mask, logit_index=lidx,
+            inputs_embeds=embeds, attention_layers=self.attention_layers if want_attn else (),
+            slot_list=[r.slot for r in rows], max_position=max(r.prefix + len(r.tokens) for r in rows),
         )
-        logits, attn = self.target.forward_batch(self.cache, batch)
+        logits, attn = self.target.forward_batch(self.cache, batch)  # [B, R, V] on the device
         self.target_forwards += 1
-        return logits.cpu(), attn
+        self._forwards_this_step += 1
+        return self._verify_and_commit(rows, logits, attn, sub, tree_anc)
 
-    def _visual_attention(self, rows: list[_Row], attn: dict[int, torch.Tensor]) -> list[np.ndarray | None]:
+    @staticmethod
+    def _subset(compiled: CompiledTrees, index: list[int]) -> CompiledTrees:
+        if index == list(range(compiled.batch)):
+            return compiled
+        idx = torch.tensor(index, device=compiled.tokens.device)
+        pick = lambda x: x.index_select(0, idx)  # noqa: E731
+        return dataclasses.replace(
+            compiled, tokens=pick(compiled.tokens), parents=pick(compiled.parents), depths=pick(compiled.depths),
+            num_nodes=pick(compiled.num_nodes), draw_child=pick(compiled.draw_child),
+            draw_kind=pick(compiled.draw_kind), draw_q=pick(compiled.draw_q),
+            draw_uniform=pick(compiled.draw_uniform), host_sizes=[compiled.host_sizes[i] for i in index],
+            host_draws=[compiled.host_draws[i] for i in index])
+
+    # -- verification ---------------------------------------------------------------------------------------
+    def _verify_and_commit(self, rows: list[_Row], logits: torch.Tensor, attn: dict, sub: CompiledTrees | None,
+                           tree_anc: torch.Tensor | None) -> list[RequestStepResult]:
+        device = logits.device
+        b, r_max, v = logits.shape
+        # [B, R] finite rows of the raw logits (before processors add their -inf); one reduction, padding ignored
+        n_rows = torch.tensor([1 if r.is_prefill else len(r.tokens) for r in rows], device=device)
+        finite = torch.isfinite(logits.sum(-1)) | (torch.arange(r_max, device=device)[None, :] >= n_rows[:, None])
+        if any(r.request.logits_processors for r in rows):
+            logits = logits.clone()  # an inference tensor cannot be edited in place
+            for i, r in enumerate(rows):
+                procs = r.request.logits_processors
+                if procs:
+                    n = 1 if r.is_prefill else len(r.tokens)
+                    logits[i, :n] = apply_logits_processors(procs, self._histories(r), logits[i, :n])
+        greedy = [r.request.sampling.greedy for r in rows]
+        dec_idx = [i for i, r in enumerate(rows) if not r.is_prefill]
+        pre_idx = [i for i, r in enumerate(rows) if r.is_prefill]
+        depth = sub.max_depth if sub is not None else 0
+        last = torch.zeros(b, dtype=torch.long, device=device)
+        bonus = torch.zeros(b, dtype=torch.long, device=device)
+        argmax = logits.argmax(-1) if any(greedy) else None  # [B, R]
+        uniforms = self._uniforms(rows, sub)
+        if dec_idx:
+            w = sub.width
+            pos_of = {i: k for k, i in enumerate(dec_idx)}
+            for want_greedy in (True, False):
+                part = [i for i in dec_idx if greedy[i] == want_greedy]
+                if not part:
+                    continue
+                sel = self._subset(sub, [pos_of[i] for i in part])
+                rows_sel = torch.tensor(part, device=device)
+                anc_sel = tree_anc if len(part) == len(dec_idx) else tree_anc[
+                    torch.tensor([pos_of[i] for i in part], device=device)]
+                if want_greedy:
+                    out = verify_greedy_batch(argmax[rows_sel, :w], sel, anc_sel)
+                else:
+                    probs = self._target_probs([rows[i] for i in part], logits[rows_sel, :w])
+                    out = verify_stochastic_batch(probs, sel, uniforms[rows_sel])
+                last[rows_sel] = out.last
+                bonus[rows_sel] = out.bonus
+        # prefill rows: the first token from the last prompt row (logits row 0)
+        pg = [i for i in pre_idx if greedy[i]]
+        ps = [i for i in pre_idx if not greedy[i]]
+        if pg:
+            gi = torch.tensor(pg, device=device)
+            bonus[gi] = argmax[gi, 0]
+        if ps:
+            si = torch.tensor(ps, device=device)
+            probs = self._target_probs([rows[i] for i in ps], logits[si, :1])
+            bonus[si] = sample_inverse_cdf(probs[:, 0], uniforms[si, 0])
+        # the committed path (root..last) and its finite check, per row
+        width = depth + 1
+        path = torch.zeros((b, width), dtype=torch.long, device=device)
+        ok = finite[:, 0].clone()
+        if dec_idx:
+            d = torch.tensor(dec_idx, device=device)
+            path[d] = path_from_last(last[d], tree_anc, sub.depths, depth)  # [Bd, D+1], -1 padded
+            visited = torch.gather(tree_anc, 1, last[d][:, None, None].expand(-1, 1, tree_anc.shape[2]))[:, 0]
+            ok[d] = ~(visited & ~finite[d, : sub.width]).any(-1)
+        # a non-finite node off the committed path: its cache columns are zeroed after the commit
+        stale_nan = ~finite.all(-1)
+        want_lp = any(r.request.logprobs for r in rows)
+        payload = [ok.to(torch.float64)[:, None], stale_nan.double()[:, None], last.double()[:, None],
+                   bonus.double()[:, None], path.double()]
+        if want_lp:
+            payload.append(self._committed_logprobs(rows, logits, path, last, bonus, sub, dec_idx).double())
+        host = torch.cat(payload, 1).tolist()  # the one host copy of the verification
+        visual = self._visual_attention(rows, attn)
+        return self._commit(rows, host, width, want_lp, visual)
+
+    @staticmethod
+    def _target_probs(rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        """Target distributions ``[n, R, V]`` (float32) of ``logits`` ``[n, R, V]`` after each row's warpers,
+        batched per distinct sampling parameters."""
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(rows):
+            sp = r.request.sampling
+            groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(i)
+        flat = lambda x: x.reshape(-1, x.shape[-1]).nan_to_num(neginf=-1e30, posinf=1e30)  # noqa: E731
+        if len(groups) == 1:
+            return target_probs(flat(logits), rows[0].request.sampling, torch.float32).reshape(logits.shape)
+        probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        for idx in groups.values():
+            sel = torch.tensor(idx, device=logits.device)
+            probs[sel] = target_probs(flat(logits[sel]), rows[idx[0]].request.sampling, torch.float32).reshape(
+                (len(idx),) + tuple(logits.shape[1:]))
+        return probs
+
+    def _uniforms(self, rows: list[_Row], sub: CompiledTrees | None) -> torch.Tensor:
+        """Per row, uniforms from the request's own stream: one per draw of its tree, then the bonus's (a
+        prefill: one). Greedy rows draw none. Shape ``[B, U]`` on the device."""
+        draws = {}
+        if sub is not None:
+            k = 0
+            for i, r in enumerate(rows):
+                if not r.is_prefill:
+                    draws[i] = sub.host_draws[k]
+                    k += 1
+        lists = []
+        for i, r in enumerate(rows):
+            if r.request.sampling.greedy:
+                lists.append([])
+            else:
+                n = 1 if r.is_prefill else draws[i] + 1
+                lists.append([r.state.rng.random() for _ in range(n)])
+        width = max(1, max(len(x) for x in lists))
+        return torch.tensor([x + [0.0] * (width - len(x)) for x in lists], dtype=torch.float64,
+                            device=self.target.device)
+
+    def _committed_logprobs(self, rows, logits, path, last, bonus, sub, dec_idx) -> torch.Tensor:
+        """Log-probability of every committed token at the row that verified it, ``[B, D+1]`` (device): the
+        log-softmax of the processed logits (greedy rows) or the log of the warped target distribution (sampled
+        rows).
+
+        Committed token ``k`` is path node ``k+1``'s token for ``k < accepted``, the bonus at ``k = accepted``;
+        it was predicted by path node ``k`` (a prefill: logits row 0)."""
+        b, width = path.shape
+        device = logits.device
+        rows_idx = path.clamp(min=0)
+        tok = torch.zeros((b, width), dtype=torch.long, device=device)
+        depth_last = torch.zeros(b, dtype=torch.long, device=device)
+        if dec_idx:
+            d = torch.tensor(dec_idx, device=device)
+            if width > 1:
+                tok[d, :-1] = torch.gather(sub.tokens, 1, path[d, 1:].clamp(min=0))
+            depth_last[d] = torch.gather(sub.depths, 1, last[d][:, None])[:, 0]
+        ar = torch.arange(width, device=device)[None, :]
+        tok = torch.where(ar == depth_last[:, None], bonus[:, None], tok)
+        sel = torch.gather(logits, 1, rows_idx[:, :, None].expand(-1, -1, logits.shape[-1])).float()  # [B, D+1, V]
+        lp = sel.gather(2, tok[:, :, None])[:, :, 0] - torch.logsumexp(sel, -1)
+        sampled = [i for i, r in enumerate(rows) if not r.request.sampling.greedy]
+        if sampled:
+            si = torch.tensor(sampled, device=device)
+            probs = self._target_probs([rows[i] for i in sampled], sel[si])
+            plp = torch.log(probs.gather(2, tok[si][:, :, None])[:, :, 0].double().clamp_min(1e-300)).float()
+            lp[si] = plp
+        return lp
+
+    def _visual_attention(self, rows: list[_Row], attn: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
         """Per row with a visual span: the attention mass on its visual tokens for every query row,
         ``[T_b, n_visual]`` (mean over heads and :attr:`attention_layers`); None for other rows."""
-        out: list[np.ndarray | None] = [None] * len(rows)
+        out: list[torch.Tensor | None] = [None] * len(rows)
         if not attn:
             return out
         stacked = torch.stack([attn[layer] for layer in sorted(attn)]).mean(0).mean(1)  # [B, T, S]
         for i, row in enumerate(rows):
-            span = row.work.request.visual_span
+            span = row.request.visual_span
             if span is not None:
-                out[i] = stacked[i, : len(row.tokens), span[0]:span[1]].float().cpu().numpy()
+                out[i] = stacked[i, : len(row.tokens), span[0]:span[1]].float().cpu()
         return out
 
-    @staticmethod
-    def _target_distributions(rows: list[_Row], logits: torch.Tensor, finite: torch.Tensor) -> list:
-        """Per row: argmax ids ``[R]`` (greedy rows) or target distributions ``[R, V]`` float64 (sample rows),
-        computed batched per distinct sampling parameters; rows whose raw logits were not finite
-        (``finite [B, R]`` False) get None."""
-        out: list = [None] * len(rows)
-        groups: dict[tuple, list[int]] = {}
-        for i, row in enumerate(rows):
-            if not bool(finite[i, : len(row.logit_rows)].all()):
-                continue
-            sp = row.work.request.sampling
-            groups.setdefault(("greedy",) if sp.greedy else (sp.temperature, sp.top_k, sp.top_p), []).append(i)
-        for key, idx in groups.items():
-            sel = logits[idx]
-            if key == ("greedy",):
-                dist = sel.argmax(-1)
-            else:
-                flat = sel.reshape(-1, sel.shape[-1]).nan_to_num(neginf=-1e30, posinf=1e30)
-                dist = target_probs(flat, rows[idx[0]].work.request.sampling).reshape(sel.shape)
-            for j, i in enumerate(idx):
-                out[i] = dist[j, : len(rows[i].logit_rows)]
-        return out
-
-    @staticmethod
-    def _histories(row: _Row) -> list[list[int]]:
+    def _histories(self, row: _Row) -> list[list[int]]:
         """Per logits row, the tokens before the one it predicts: the prefilled tokens (prefill), or context +
         the draft tokens on the tree path root -> node (decode)."""
         if row.tree is None:
             return [list(row.tokens)]
-        context = row.work.request.context
-        return [context + row.tree.path_tokens(i) for i in range(len(row.logit_rows))]
+        context = row.request.context
+        return [context + row.tree.path_tokens(i) for i in range(len(row.tokens))]
 
-    def _commit(self, row: _Row, logits: torch.Tensor, dist: torch.Tensor | None,
-                visual: np.ndarray | None = None) -> RequestStepResult:
-        """Verify one row (``dist``: argmax ids or target distributions of its ``R`` logit rows) and commit."""
-        req = row.work.request
-        is_prefill = row.tree is None
-        if dist is None:
-            self.release(req.request_id, row.slot)
-            return RequestStepResult(req.request_id, is_prefill=is_prefill, error={
-                "code": "numerical_error", "message": "the target produced NaN or infinite logits"})
-        params = req.sampling
-        if is_prefill:
-            if params.greedy:
-                first = int(dist[-1])
+    # -- commit ---------------------------------------------------------------------------------------------
+    def _commit(self, rows: list[_Row], host: list[list[float]], width: int, want_lp: bool,
+                visual: list) -> list[RequestStepResult]:
+        results = []
+        compact_slots, compact_bases, compact_cols = [], [], []
+        observes, nan_rows = [], []
+        for i, row in enumerate(rows):
+            h = host[i]
+            req = row.request
+            ok, stale_nan, last, bonus = h[0] > 0.5, h[1] > 0.5, int(h[2]), int(h[3])
+            path_nodes = [int(x) for x in h[4:4 + width] if x >= 0]
+            if not ok:
+                self.fail(req.request_id, row.slot)
+                results.append(RequestStepResult(req.request_id, is_prefill=row.is_prefill, error={
+                    "code": "numerical_error", "message": "the target produced NaN or infinite logits"}))
+                continue
+            if row.is_prefill:
+                path_nodes = [0]
+                accepted = []
             else:
-                first = sample_from(dist[-1].numpy(), self._rng(req.request_id, params.seed))
-            result = VerifyResult((), (), first)
-        elif params.greedy:
-            result = verify_greedy(dist.tolist(), row.tree)
-        else:
-            result = verify_stochastic(dist, row.tree, self._rng(req.request_id, params.seed))
-        proposed = list(result.accepted_tokens) + [result.bonus_token]
-        limit = min(req.remaining, self.max_len - len(req.context))
-        new, reason = [], None
-        for tok in proposed:
-            new.append(tok)
-            if tok in req.eos_token_ids:
-                reason = "eos"
-                break
-            if len(new) >= limit:
-                reason = "length"
-                break
-        num_accepted = min(result.num_accepted, len(new))
-        if is_prefill:
-            self.cache.lengths[row.slot] = len(row.tokens)
-        else:
-            keep = 1 + num_accepted  # root + accepted draft tokens that were committed
-            self.cache.compact(row.slot, row.prefix, [row.prefix + i for i in result.path[:keep]])
+                path_nodes = path_nodes[: row.tree.depths[last] + 1]
+                accepted = [row.tree.tokens[n] for n in path_nodes[1:]]
+            proposed = accepted + [bonus]
+            limit = min(req.remaining, self.max_len - len(req.context))
+            new, reason = [], None
+            for tok in proposed:
+                new.append(tok)
+                if tok in req.eos_token_ids:
+                    reason = "eos"
+                    break
+                if len(new) >= limit:
+                    reason = "length"
+                    break
+            num_accepted = min(len(accepted), len(new))
+            lps = tuple(h[4 + width: 4 + width + len(new)]) if want_lp and req.logprobs else ()
+            vis: tuple = ()
+            if visual[i] is not None:
+                # the row that predicted committed token k: the prompt's last row (prefill) or path node k (tree)
+                src = [len(row.tokens) - 1] if row.is_prefill else path_nodes
+                vis = tuple(visual[i][src[k]].numpy() for k in range(min(len(new), len(src))))
+            if reason is not None:
+                self.release(req.request_id, row.slot)  # finished: nothing of it stays cached
+                results.append(RequestStepResult(req.request_id, tuple(new), num_accepted, row.is_prefill, reason,
+                                                 None, 1, visual_attention=vis, logprobs=lps))
+                continue
+            if row.is_prefill:
+                self.cache.lengths[row.slot] = len(row.tokens)
+            else:
+                keep = 1 + num_accepted  # root + accepted draft tokens that were committed
+                compact_slots.append(row.slot)
+                compact_bases.append(row.prefix)
+                compact_cols.append([row.prefix + n for n in path_nodes[:keep]])
+                observes.append((row, accepted[:num_accepted], new))
+                if stale_nan:
+                    nan_rows.append((row.slot, row.prefix + keep, row.prefix + len(row.tokens)))
+            requested = 1
+            if req.speculate and self.drafters:
+                budget = row.state.budget
+                if not row.is_prefill:
+                    budget.observe(num_accepted, len(row.tree))
+                requested = budget.requested_nodes(self.cost_ratio or 0.0) if self.adaptive else self.full_nodes
+                if self.visual_aware and vis:
+                    # the node that predicted the last committed token is where the next tree starts: when the
+                    # target looks hard at the image there, a text-only draft is weakest, so ask for a smaller tree
+                    mass = float(vis[-1].sum())
+                    if mass > self.visual_mass_threshold:
+                        requested = max(2, int(round(requested * (1.0 - mass))))
+            results.append(RequestStepResult(req.request_id, tuple(new), num_accepted, row.is_prefill, reason, None,
+                                             requested, visual_attention=vis, logprobs=lps))
+        if compact_slots:
+            self.cache.compact_batch(compact_slots, compact_bases, compact_cols)
+        for slot, start, end in nan_rows:
+            self.cache.zero_columns(slot, start, end)
+        for row, accepted, new in observes:
             for d in self.drafters:
-                d.observe(req.request_id, row.tree, result.path[:keep], new)
-        vis: tuple = ()
-        if visual is not None:
-            # the row that predicted committed token k: the prompt's last row (prefill) or path node k (tree)
-            src = [len(row.tokens) - 1] if is_prefill else list(result.path)
-            vis = tuple(visual[src[k]] for k in range(min(len(new), len(src))))
-        lps = ()
-        if req.logprobs:  # logits rows are the row's logit_rows: a prefill has only its last
-            lrows = [len(row.logit_rows) - 1] if is_prefill else list(result.path)
-            lps = self._logprobs(logits, dist, lrows[:len(new)], new)
-        if reason is not None:
-            self.release(req.request_id, row.slot)  # finished: nothing of it stays cached
-            return RequestStepResult(req.request_id, tuple(new), num_accepted, is_prefill, reason, None, 1,
-                                     visual_attention=vis, logprobs=lps)
-        requested = 1
-        if req.speculate and self.drafters:
-            budget = self._budget(req.request_id)
-            if not is_prefill:
-                budget.observe(num_accepted, len(row.tree))
-            requested = budget.requested_nodes(self.cost_ratio or 0.0) if self.adaptive else self.full_nodes
-            if self.visual_aware and visual is not None and vis:
-                # the node that predicted the last committed token is where the next tree starts: when the
-                # target looks hard at the image there, a text-only draft is weakest, so ask for a smaller tree
-                mass = float(vis[-1].sum())
-                if mass > self.visual_mass_threshold:
-                    requested = max(2, int(round(requested * (1.0 - mass))))
-        return RequestStepResult(req.request_id, tuple(new), num_accepted, is_prefill, reason, None, requested,
-                                 visual_attention=vis, logprobs=lps)
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, dist: torch.Tensor, rows: list[int], tokens: list[int]) -> tuple[float, ...]:
-        """Log-probability of ``tokens[k]`` at logits row ``rows[k]``: log-softmax of the processed logits
-        ``[R, V]`` (greedy: ``dist`` holds argmax ids), or the log of the target distribution ``dist [R, V]``
-        (sampled)."""
-        idx = torch.tensor(rows, dtype=torch.long)
-        tok = torch.tensor(tokens, dtype=torch.long)
-        if dist.ndim == 2:  # sampled: the warped target distribution
-            return tuple(float(x) for x in torch.log(dist[idx, tok].clamp_min(1e-300)))
-        sel = logits[idx].float()
-        return tuple(float(x) for x in (sel.gather(1, tok[:, None])[:, 0] - torch.logsumexp(sel, -1)))
+                d.observe(row.state.drafters.setdefault(d.name, {}), row.slot, row.tree, accepted, new)
+        for d in self.drafters:
+            d.end_step()
+        return results

@@ -1,13 +1,24 @@
 """Token trees: what drafters propose and what the target verifies in one forward (SpecInfer §3-4).
 
-A :class:`TokenTree` is built node by node (token, parent). Node 0 is the *root*: the last committed token,
-whose key/value is not in the target's cache yet. Every other node is a draft token; its parent is the token
-before it. Each non-root node records how it was proposed (:class:`Proposal`): a token *sampled* from a draft
-distribution ``q`` or proposed *deterministically* (top-k expansion, n-gram, temporal, merge duplicate). The
-stochastic verifier needs that to stay exact.
+A :class:`TokenTree` is an append-only **log of draws** in the order they were made: each draw is (parent node,
+token, how it was proposed, ``q``). Node 0 is the *root*: the last committed token, whose key/value is not in the
+target's cache yet. The tree is a trie: a draw whose token already is a child of its parent adds no node, only
+one more proposal of that child, at its place in the draw order.
 
-:meth:`TokenTree.compile` turns the tree into tensors once per step (:class:`CompiledTree`), as Medusa compiles
-its tree into a mask, position ids and retrieve indices; here the result is a frozen dataclass.
+Why the log keeps draw order: stochastic verification (multi-step speculative sampling) tests each parent's
+proposals one after the other against a residual distribution. It stays exact only if
+
+- every sampled draw that was made is tested, in the order it was drawn, and
+- whether a draw is made (its parent, its ``q``) is decided before its value is known: it may depend on
+  earlier draws, never on its own value or on later ones.
+
+So a node budget is spent in *draws* fixed before sampling (a sampled draw always costs one unit, even when it
+duplicates a child), merging keeps each drafter's draws in order (drafter after drafter at each parent), and
+truncation only ever drops whole draws by their position, never by their value.
+
+:func:`compile_trees` turns the trees of one step into padded tensors once (Medusa compiles its tree into a
+mask, position ids and retrieve indices the same way); :func:`ancestor_matrix` builds the ancestor mask on the
+device from the parent pointers.
 """
 
 from __future__ import annotations
@@ -15,60 +26,52 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 
-class ProposalKind(enum.Enum):
-    SAMPLED = "sampled"  # drawn from the draft distribution q (tested with min(1, p/q), residual (p - q)+)
-    DETERMINISTIC = "deterministic"  # a point mass (tested with p(x), residual p with x zeroed)
+class ProposalKind(enum.IntEnum):
+    DETERMINISTIC = 0  # a point mass: tested with r(x), residual r with x zeroed (top-k, n-gram, temporal, ...)
+    SAMPLED = 1  # drawn from the draft distribution q: tested with min(1, r/q), residual (r - q)+
+
+
+@dataclass(frozen=True)
+class QRef:
+    """Where a sampled draw's draft distribution lives: row ``row`` of ``table`` (``[N, V]`` on the device;
+    several draws of one parent share one row)."""
+
+    table: torch.Tensor = field(repr=False, compare=False)
+    row: int
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """One proposal of a child token by one drafter.
+    """How one draw was proposed.
 
     Attributes:
         kind: sampled from ``q`` or deterministic.
         drafter: name of the drafter that proposed it.
-        q: ``[vocab]`` draft distribution the token was sampled from (SAMPLED only), float32 on CPU.
+        q: the draft distribution of a sampled draw: a :class:`QRef` (device row) or a ``[V]`` tensor.
     """
 
     kind: ProposalKind
     drafter: str = ""
-    q: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    q: QRef | torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 DETERMINISTIC = Proposal(ProposalKind.DETERMINISTIC)
 
 
 @dataclass(frozen=True)
-class CompiledTree:
-    """Tensors of a token tree for one verification step (``T`` nodes, node 0 the root).
+class Draw:
+    """One entry of a tree's draw log: ``child`` (a node index) proposed under ``parent`` by ``proposal``."""
 
-    Attributes:
-        tokens: ``[T]`` token ids.
-        parents: ``[T]`` parent index (-1 for the root); parents precede children.
-        depths: ``[T]`` depth (root 0); position id = prefix length + depth.
-        ancestor_mask: ``[T, T]`` bool, ``[i, j]`` True when ``j`` is ``i`` or an ancestor of ``i``.
-        leaf_paths: ``[num_leaves, max_depth + 1]`` node indices root-to-leaf, padded with -1.
-        children: per node, its children's indices in proposal order.
-    """
-
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor
-    ancestor_mask: torch.Tensor
-    leaf_paths: torch.Tensor
-    children: tuple[tuple[int, ...], ...]
-
-    @property
-    def num_nodes(self) -> int:
-        return int(self.tokens.shape[0])
+    parent: int
+    child: int
+    proposal: Proposal
 
 
 class TokenTree:
-    """Mutable token tree (a trie: a parent never has two children with the same token).
+    """An append-only token tree (a trie over draws).
 
     Args:
         root_token: the last committed token (node 0).
@@ -78,51 +81,54 @@ class TokenTree:
         self.tokens: list[int] = [int(root_token)]
         self.parents: list[int] = [-1]
         self.depths: list[int] = [0]
-        self.proposals: list[list[Proposal]] = [[]]
-        self.children: list[list[int]] = [[]]
-        # proposals at each parent in the order they were made: (child, proposal). The verifier tests them
-        # in this order (SpecInfer's multi-step speculative sampling).
-        self.parent_proposals: list[list[tuple[int, Proposal]]] = [[]]
+        self.draws: list[Draw] = []
+        self._children: list[dict[int, int]] = [{}]
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @property
     def max_depth(self) -> int:
-        return max(self.depths)
+        return self.depths[-1] if len(self.depths) == 1 else max(self.depths)
 
     def child(self, parent: int, token: int) -> int | None:
-        for c in self.children[parent]:
-            if self.tokens[c] == token:
-                return c
-        return None
+        """The child of ``parent`` holding ``token``, or None."""
+        return self._children[parent].get(int(token))
+
+    def children(self, node: int) -> list[int]:
+        """Children of ``node`` in creation order."""
+        return list(self._children[node].values())
 
     def add(self, parent: int, token: int, proposal: Proposal = DETERMINISTIC) -> int:
-        """Add ``token`` under ``parent`` (or record one more proposal of an existing child). Returns its index."""
+        """Log one draw of ``token`` under ``parent``; returns the child's node index (new or existing).
+
+        Raises:
+            IndexError: ``parent`` is not a node.
+        """
         if not 0 <= parent < len(self.tokens):
             raise IndexError(f"parent {parent} not in tree of {len(self.tokens)} nodes")
-        existing = self.child(parent, token)
-        if existing is not None:
-            self.proposals[existing].append(proposal)
-            self.parent_proposals[parent].append((existing, proposal))
-            return existing
-        idx = len(self.tokens)
-        self.tokens.append(int(token))
-        self.parents.append(parent)
-        self.depths.append(self.depths[parent] + 1)
-        self.proposals.append([proposal])
-        self.children.append([])
-        self.parent_proposals.append([])
-        self.children[parent].append(idx)
-        self.parent_proposals[parent].append((idx, proposal))
+        token = int(token)
+        idx = self._children[parent].get(token)
+        if idx is None:
+            idx = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self._children.append({})
+            self._children[parent][token] = idx
+        self.draws.append(Draw(parent, idx, proposal))
         return idx
 
     def add_path(self, tokens: list[int], proposal: Proposal = DETERMINISTIC, parent: int = 0,
                  max_nodes: int | None = None) -> list[int]:
-        """Add a chain of tokens below ``parent``; returns the node indices.
+        """Add a chain of deterministic draws below ``parent``; returns the node indices.
 
         With ``max_nodes`` the chain stops where a new node would grow the tree past that size (a prefix already
-        in the tree is still walked, and its nodes record the proposal)."""
+        in the tree is still walked and logged). Only for deterministic proposals: a sampled draw must never be
+        kept or dropped by its own value.
+        """
+        if proposal.kind is ProposalKind.SAMPLED and max_nodes is not None:
+            raise ValueError("add_path with max_nodes would drop sampled draws by their value")
         out = []
         for t in tokens:
             if max_nodes is not None and len(self.tokens) >= max_nodes and self.child(parent, t) is None:
@@ -143,76 +149,105 @@ class TokenTree:
         """Draft tokens on the path root->node, the root excluded."""
         return [self.tokens[i] for i in self.path_to(node)[1:]]
 
-    def truncated(self, max_nodes: int, max_depth: int | None = None) -> "TokenTree":
-        """A copy keeping the first ``max_nodes`` nodes in insertion order (closed under parents) and depth bound."""
-        keep = TokenTree(self.tokens[0])
-        index = {0: 0}
-        for i in range(1, len(self.tokens)):
-            if len(keep) >= max_nodes:
+    def compile(self) -> "TreeTensors":
+        """This tree's tensors on the CPU (tests, benchmarks; the engine compiles a batch: :func:`compile_trees`)."""
+        parents = torch.tensor([self.parents], dtype=torch.long)
+        return TreeTensors(torch.tensor(self.tokens), parents[0], torch.tensor(self.depths),
+                           ancestor_matrix(parents, self.max_depth)[0])
+
+    def draws_at(self, parent: int) -> list[Draw]:
+        """The draws under ``parent`` in draw order (what the verifier tests there, in that order)."""
+        return [d for d in self.draws if d.parent == parent]
+
+    def walk(self, tokens: list[int]) -> list[int]:
+        """Nodes reached by following ``tokens`` from the root (stops at the first token that is no child)."""
+        node, out = 0, []
+        for t in tokens:
+            nxt = self.child(node, t)
+            if nxt is None:
                 break
-            if max_depth is not None and self.depths[i] > max_depth:
-                continue
-            p = self.parents[i]
-            if p not in index:
-                continue
-            for prop in self.proposals[i]:
-                index[i] = keep.add(index[p], self.tokens[i], prop)
-        return keep
+            out.append(nxt)
+            node = nxt
+        return out
 
     @staticmethod
     def merge(trees: list["TokenTree"], max_nodes: int | None = None) -> "TokenTree":
         """Trie union of several drafters' trees with the same root (SpecInfer's merge-based speculation).
 
-        Identical paths collapse into one node that keeps every proposal, in tree order. Nodes are inserted
-        breadth-first, round-robin over the trees, so a node budget keeps the shallow nodes of every drafter.
+        Draws are replayed depth by depth; within a depth, tree after tree; within a tree, in draw order. So at
+        every parent the merged log holds the first drafter's draws in its order, then the second's, and so on.
+        With ``max_nodes`` a draw is dropped when the budget is spent; a *sampled* draw always costs one unit
+        (even when it duplicates a child), a deterministic draw costs one only when it adds a node — so a cut
+        never depends on a sampled draw's own value. A dropped draw drops its subtree.
+
+        Raises:
+            ValueError: no trees, or roots differ.
         """
         if not trees:
             raise ValueError("merge needs at least one tree")
         root = trees[0].tokens[0]
         if any(t.tokens[0] != root for t in trees):
             raise ValueError("trees to merge must share the root token")
+        if len(trees) == 1 and max_nodes is None:
+            return trees[0]
         merged = TokenTree(root)
         maps = [{0: 0} for _ in trees]
-        order = [sorted(range(1, len(t)), key=lambda i, t=t: (t.depths[i], i)) for t in trees]
-        depth = 1
+        spent = 0
+        limit = None if max_nodes is None else max_nodes - 1
         max_depth = max(t.max_depth for t in trees)
-        while depth <= max_depth:
+        by_depth = [[[] for _ in range(max_depth + 1)] for _ in trees]
+        for ti, t in enumerate(trees):
+            for d in t.draws:
+                by_depth[ti][t.depths[d.child]].append(d)
+        for depth in range(1, max_depth + 1):
             for ti, t in enumerate(trees):
-                for i in order[ti]:
-                    if t.depths[i] != depth or t.parents[i] not in maps[ti]:
+                for d in by_depth[ti][depth]:
+                    parent = maps[ti].get(d.parent)
+                    if parent is None:
+                        continue  # its parent's draw was dropped
+                    token = t.tokens[d.child]
+                    sampled = d.proposal.kind is ProposalKind.SAMPLED
+                    cost = 1 if sampled or merged.child(parent, token) is None else 0
+                    if limit is not None and spent + cost > limit:
                         continue
-                    if max_nodes is not None and len(merged) >= max_nodes and merged.child(
-                        maps[ti][t.parents[i]], t.tokens[i]
-                    ) is None:
-                        continue
-                    for prop in t.proposals[i]:
-                        maps[ti][i] = merged.add(maps[ti][t.parents[i]], t.tokens[i], prop)
-            depth += 1
+                    spent += cost
+                    maps[ti][d.child] = merged.add(parent, token, d.proposal)
         return merged
 
-    def compile(self) -> CompiledTree:
-        """Tensors for one verification step (see :class:`CompiledTree`)."""
-        n = len(self.tokens)
-        anc = np.zeros((n, n), dtype=bool)
-        for i in range(n):
-            p = self.parents[i]
-            if p >= 0:
-                anc[i] = anc[p]
-            anc[i, i] = True
-        leaves = [i for i in range(n) if not self.children[i]]
-        width = max(self.depths) + 1
-        paths = np.full((len(leaves), width), -1, dtype=np.int64)
-        for r, leaf in enumerate(leaves):
-            p = self.path_to(leaf)
-            paths[r, : len(p)] = p
-        return CompiledTree(
-            tokens=torch.tensor(self.tokens, dtype=torch.long),
-            parents=torch.tensor(self.parents, dtype=torch.long),
-            depths=torch.tensor(self.depths, dtype=torch.long),
-            ancestor_mask=torch.from_numpy(anc),
-            leaf_paths=torch.from_numpy(paths),
-            children=tuple(tuple(c) for c in self.children),
-        )
+    def truncated(self, max_nodes: int, max_depth: int | None = None) -> "TokenTree":
+        """A copy keeping draws in log order while the budget allows (same cost rule as :meth:`merge`) and
+        nodes no deeper than ``max_depth``."""
+        keep = TokenTree(self.tokens[0])
+        index = {0: 0}
+        spent, limit = 0, max_nodes - 1
+        for d in self.draws:
+            if max_depth is not None and self.depths[d.child] > max_depth:
+                continue
+            parent = index.get(d.parent)
+            if parent is None:
+                continue
+            token = self.tokens[d.child]
+            cost = 1 if d.proposal.kind is ProposalKind.SAMPLED or keep.child(parent, token) is None else 0
+            if spent + cost > limit:
+                continue
+            spent += cost
+            index[d.child] = keep.add(parent, token, d.proposal)
+        return keep
+
+
+@dataclass(frozen=True)
+class TreeTensors:
+    """One tree as tensors: ``tokens``, ``parents``, ``depths`` ``[T]`` and ``ancestor_mask`` ``[T, T]``
+    (``[i, j]`` True when ``j`` is ``i`` or an ancestor of ``i``)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ancestor_mask: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
 
 
 def chain_tree(tokens: list[int]) -> TokenTree:
@@ -220,3 +255,150 @@ def chain_tree(tokens: list[int]) -> TokenTree:
     tree = TokenTree(tokens[0])
     tree.add_path(list(tokens[1:]))
     return tree
+
+
+# -- compilation ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CompiledTrees:
+    """The trees of one step as padded tensors on the device (``B`` trees, ``T`` nodes, ``K`` draws per parent).
+
+    Attributes:
+        tokens: ``[B, T]`` token ids (0 for padding).
+        parents: ``[B, T]`` parent index (-1 for roots and padding); parents precede children.
+        depths: ``[B, T]`` depth (root 0; padding 0).
+        num_nodes: ``[B]`` nodes per tree.
+        draw_child: ``[B, T, K]`` per parent node, the child of each draw in draw order (-1: no draw).
+        draw_kind: ``[B, T, K]`` :class:`ProposalKind` of each draw.
+        draw_q: ``[B, T, K]`` row of :attr:`q` holding a sampled draw's draft distribution (0 otherwise).
+        draw_uniform: ``[B, T, K]`` index of the draw in its tree's log (which uniform tests it).
+        q: ``[Nq, V]`` draft distributions of the sampled draws (None when no draw is sampled).
+        max_depth: deepest node of the batch (host int).
+        host_sizes: nodes per tree (host list), draws per tree (host list).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    num_nodes: torch.Tensor
+    draw_child: torch.Tensor
+    draw_kind: torch.Tensor
+    draw_q: torch.Tensor
+    draw_uniform: torch.Tensor
+    q: torch.Tensor | None
+    max_depth: int
+    host_sizes: list[int]
+    host_draws: list[int]
+
+    @property
+    def batch(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def compile_trees(trees: list[TokenTree], device: torch.device | str, vocab_size: int | None = None,
+                  pad_to: int | None = None) -> CompiledTrees:
+    """Pad the trees of one step into :class:`CompiledTrees` (one host->device copy per tensor).
+
+    Args:
+        trees: one tree per decoding request.
+        device: where the tensors go.
+        vocab_size: length of the ``q`` rows (the target's vocabulary); rows are cut or zero-padded to it.
+        pad_to: at least this many node columns ``T``.
+    """
+    b = len(trees)
+    t = max([len(tr) for tr in trees] + [pad_to or 1])
+    per_parent: list[dict[int, list[Draw]]] = []
+    k = 1
+    for tr in trees:
+        groups: dict[int, list[Draw]] = {}
+        for d in tr.draws:
+            groups.setdefault(d.parent, []).append(d)
+        per_parent.append(groups)
+        if groups:
+            k = max(k, max(len(g) for g in groups.values()))
+    tokens = [[0] * t for _ in range(b)]
+    parents = [[-1] * t for _ in range(b)]
+    depths = [[0] * t for _ in range(b)]
+    dchild = [[[-1] * k for _ in range(t)] for _ in range(b)]
+    dkind = [[[0] * k for _ in range(t)] for _ in range(b)]
+    dq = [[[0] * k for _ in range(t)] for _ in range(b)]
+    dunif = [[[0] * k for _ in range(t)] for _ in range(b)]
+    q_rows: list[tuple[object, int]] = []  # (table or tensor, row)
+    q_index: dict[tuple[int, int], int] = {}
+    for i, tr in enumerate(trees):
+        n = len(tr)
+        tokens[i][:n] = tr.tokens
+        parents[i][:n] = tr.parents
+        depths[i][:n] = tr.depths
+        order = {id(d): j for j, d in enumerate(tr.draws)}
+        for parent, group in per_parent[i].items():
+            for j, d in enumerate(group):
+                dchild[i][parent][j] = d.child
+                dkind[i][parent][j] = int(d.proposal.kind)
+                dunif[i][parent][j] = order[id(d)]
+                if d.proposal.kind is ProposalKind.SAMPLED:
+                    q = d.proposal.q
+                    if q is None:
+                        raise ValueError("a sampled draw needs its draft distribution q")
+                    key = (id(q.table), q.row) if isinstance(q, QRef) else (id(q), -1)
+                    if key not in q_index:
+                        q_index[key] = len(q_rows)
+                        q_rows.append((q.table, q.row) if isinstance(q, QRef) else (q, -1))
+                    dq[i][parent][j] = q_index[key]
+    q = _gather_q(q_rows, device, vocab_size) if q_rows else None
+    as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return CompiledTrees(
+        tokens=as_t(tokens), parents=as_t(parents), depths=as_t(depths),
+        num_nodes=as_t([len(tr) for tr in trees]), draw_child=as_t(dchild), draw_kind=as_t(dkind),
+        draw_q=as_t(dq), draw_uniform=as_t(dunif), q=q,
+        max_depth=max(tr.max_depth for tr in trees) if trees else 0,
+        host_sizes=[len(tr) for tr in trees], host_draws=[len(tr.draws) for tr in trees],
+    )
+
+
+def _gather_q(rows: list[tuple[object, int]], device, vocab_size: int | None) -> torch.Tensor:
+    """Stack the draft distributions of sampled draws into one ``[Nq, V]`` float32 tensor on ``device``:
+    rows of the same table are taken with one index_select."""
+    width = vocab_size or max((tab.shape[-1] for tab, _ in rows), default=1)
+    out = torch.zeros((len(rows), width), dtype=torch.float32, device=device)
+    by_table: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for j, (tab, row) in enumerate(rows):
+        entry = by_table.setdefault(id(tab), (tab, [], []))
+        entry[1].append(j)
+        entry[2].append(row)
+    for tab, dst, src in by_table.values():
+        if src[0] == -1:  # a bare [V] tensor
+            block = tab.reshape(1, -1)
+        else:
+            block = tab.index_select(0, torch.tensor(src, device=tab.device))
+        block = block.float()
+        if block.device != out.device:
+            block = block.to(out.device)
+        n = min(width, block.shape[-1])
+        out[torch.tensor(dst, device=device), :n] = block[:, :n]
+    return out
+
+
+def ancestor_matrix(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """Ancestor-or-self mask from parent pointers, on the tensors' device.
+
+    Args:
+        parents: ``[B, T]`` parent index per node (-1 for roots and padding).
+        max_depth: the deepest node's depth (the number of doubling-free propagation rounds).
+
+    Returns:
+        ``[B, T, T]`` bool, ``[b, i, j]`` True when node ``j`` is ``i`` or an ancestor of ``i``.
+    """
+    b, t = parents.shape
+    eye = torch.eye(t, dtype=torch.bool, device=parents.device).expand(b, t, t)
+    anc = eye.clone()
+    has_parent = (parents >= 0)[:, :, None]
+    idx = parents.clamp(min=0)[:, :, None].expand(b, t, t)
+    for _ in range(max_depth):
+        anc = eye | (has_parent & torch.gather(anc, 1, idx))
+    return anc

@@ -1,8 +1,10 @@
-"""The drafter interface: propose a token tree under a node budget; observe how much was accepted.
+"""The drafter interface: propose a token tree under a node budget; observe what was committed.
 
 Modelled on transformers' ``CandidateGenerator`` (one call proposes, one call receives the outcome), batched:
 :meth:`Drafter.propose` takes every decoding request of the step at once so model drafters run one draft
-forward per tree depth for the whole batch.
+forward per tree depth for the whole batch. A drafter keeps no per-request dictionaries of its own: what it
+remembers about a request lives in ``DraftInput.state`` — a dict owned by the executor's per-request record,
+created at admission and dropped with the record.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ class DraftInput:
     Attributes:
         request_id: the request.
         slot: its KV cache slot (model drafters keep their own cache in the same slot number).
-        context: prompt + committed tokens; ``context[-1]`` is the tree root (not yet in the target's cache).
+        context: prompt + committed tokens as drafters see them (a VLM prompt without its image tokens);
+            ``context[-1]`` is the tree root (not yet in the target's cache).
         node_budget: most nodes the tree may have, root included (granted by the scheduler's plan).
         max_depth: deepest draft token allowed (remaining new tokens - 1, tree depth limits).
         sampling: the request's sampling parameters (sample mode drafts sample from q).
-        rng: the request's random stream for draft sampling.
+        rng: the request's random stream (draws of sampled drafts; the verifier's uniforms come from it too).
+        state: this drafter's scratch for this request (kept across steps, dropped when the request ends).
+        hypothesis: a previous hypothesis of the same content (the temporal drafter's source), or None.
     """
 
     request_id: str
@@ -36,23 +41,30 @@ class DraftInput:
     max_depth: int
     sampling: SamplingParams
     rng: random.Random = field(default_factory=random.Random)
+    state: dict = field(default_factory=dict)
+    hypothesis: tuple[int, ...] | None = None
 
 
 class Drafter(abc.ABC):
     """A proposer of draft tokens for the target to verify."""
 
-    #: short name used in stats and proposals
+    #: short name used in stats, proposals and as the key of the request record's drafter state
     name: str = "drafter"
 
     @abc.abstractmethod
     def propose(self, inputs: list[DraftInput]) -> list[TokenTree]:
-        """One tree per input, each rooted at ``context[-1]`` with at most ``node_budget`` nodes."""
+        """One tree per input, each rooted at ``context[-1]``; its draws must not exceed ``node_budget - 1``
+        units (a sampled draw costs one, a deterministic one only when it adds a node)."""
 
-    def observe(self, request_id: str, tree: TokenTree, path: tuple[int, ...], committed: list[int]) -> None:
-        """Receive the verification outcome: accepted node ``path`` of ``tree`` and the ``committed`` tokens."""
+    def observe(self, state: dict, slot: int, tree: TokenTree, accepted: list[int], committed: list[int]) -> None:
+        """The outcome of one request's step: the verified (possibly merged) ``tree``, the ``accepted`` draft
+        tokens and every ``committed`` token (accepted + bonus, cut at EOS / length)."""
 
-    def release(self, request_id: str, slot: int) -> None:
-        """Forget a finished or preempted request."""
+    def end_step(self) -> None:
+        """Called once after every request of the step was observed (batched KV commit)."""
+
+    def release(self, slot: int) -> None:
+        """The request in ``slot`` ended or was preempted: forget anything cached for the slot."""
 
 
 @dataclass

@@ -9,24 +9,29 @@ Two expansion modes (SpecInfer §3, "expansion-based token tree construction"):
   probability are kept (a beam), and the final tree keeps the ``NODES`` best nodes overall (deterministic).
 
 Draft forwards are batched across requests: one forward catches every request's draft KV cache up with the
-committed tokens (and yields the root's children), then one forward per depth expands all frontiers. The
-draft's cache uses the request's slot number; after verification the accepted nodes' draft keys/values are
-compacted into place (KV commit), so nothing is recomputed for them.
+committed tokens (and yields the root's children), then one forward per depth expands all frontiers. Top-k,
+sampling and beam selection run on the device; each depth brings back only the chosen token ids (one host copy
+per depth). The draft's cache uses the request's slot number; after verification the accepted nodes' draft
+keys/values are compacted into place for the whole batch at once (KV commit), whichever drafters' trees were
+merged, so nothing is recomputed for them.
+
+Exact sampling under any budget: the number of draws at each parent is fixed before sampling, as
+``min(width, remaining budget)``, and a sampled draw spends one unit even when it duplicates a child, so a
+budget cut never depends on the drawn values (:mod:`specstream.stages.speculative.tree`).
 """
 
 from __future__ import annotations
 
-import math
-import random
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specstream.kernels.sampling import SamplingParams, warp_logits
 from specstream.stages.speculative.drafters.base import DraftInput, Drafter
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
-from specstream.stages.speculative.tree import Proposal, ProposalKind, TokenTree
+from specstream.kernels.tree_attention import tree_mask
+from specstream.kernels.verification import sample_inverse_cdf
+from specstream.stages.speculative.tree import Proposal, ProposalKind, QRef, TokenTree, ancestor_matrix
 
 SPECINFER_WIDTHS = (1, 1, 3, 1, 1, 1, 1, 1)
 _GREEDY = SamplingParams()
@@ -79,13 +84,6 @@ class TreeSpec:
         return total
 
 
-@dataclass
-class _Node:
-    tree_index: int
-    column: int  # draft cache column; -1 when not fed yet
-    cum_logprob: float
-
-
 class ModelDrafter(Drafter):
     """Drafts with a small causal LM sharing the target's tokenizer.
 
@@ -97,6 +95,7 @@ class ModelDrafter(Drafter):
         vocab_limit: drafts never propose ids >= this (the tokenizer's size; the draft's embedding table may be
             padded beyond it).
         target_vocab: length of ``q`` vectors handed to the verifier (the target's vocabulary size).
+        name: the drafter's name (unique per engine).
     """
 
     def __init__(
@@ -112,199 +111,275 @@ class ModelDrafter(Drafter):
         self.model = model
         self.tree_spec = tree
         self.name = name
-        self.vocab_limit = min(vocab_limit, model.config.vocab_size)
+        self.vocab_limit = min(vocab_limit, model.config.vocab_size, target_vocab)
         self.target_vocab = target_vocab
         self.max_len = max_len
         self.cache = model.new_cache(num_slots, max_len + tree.num_nodes() + 2)
-        self._fed: dict[str, tuple[TokenTree, dict[int, int], int, int]] = {}
+        self.cache.sanitize = True  # a NaN draft node never poisons later drafts of the slot
         self.forwards = 0
-
-    # -- distributions -----------------------------------------------------------------------------------
-    def _distributions(self, logits: torch.Tensor, sampling: list[SamplingParams]) -> list[np.ndarray]:
-        """Per row, the draft's next-token distributions ``[t, V]`` as numpy: log-probabilities (greedy rows)
-        or ``q`` over the target's vocabulary after the request's warpers (sample rows). Batched per
-        distinct sampling parameters."""
-        logits = logits[..., : self.vocab_limit].float()
-        out: list[np.ndarray | None] = [None] * len(sampling)
-        groups: dict[tuple, list[int]] = {}
-        for i, sp in enumerate(sampling):
-            key = ("greedy",) if sp.greedy else (sp.temperature, sp.top_k, sp.top_p)
-            groups.setdefault(key, []).append(i)
-        for key, idx in groups.items():
-            sel = logits[idx]
-            if key == ("greedy",):
-                dist = torch.log_softmax(sel, -1)
-            else:
-                flat = sel.reshape(-1, sel.shape[-1])
-                q = torch.softmax(warp_logits(flat, sampling[idx[0]]).double(), -1).reshape(sel.shape)
-                n = min(self.target_vocab, q.shape[-1])
-                dist = torch.zeros(sel.shape[:-1] + (self.target_vocab,), dtype=torch.float64)
-                dist[..., :n] = q[..., :n]
-                dist /= dist.sum(-1, keepdim=True)
-            arr = dist.numpy()
-            for j, i in enumerate(idx):
-                out[i] = arr[j]
-        return out
-
-    def _children(self, dist: np.ndarray, width: int, sampling: SamplingParams, rng: random.Random):
-        """Pick ``width`` children from one node's draft distribution: list of (token, proposal, logp)."""
-        if sampling.greedy:
-            k = min(width, dist.shape[0])
-            idx = np.argsort(-dist, kind="stable")[:k]
-            det = Proposal(ProposalKind.DETERMINISTIC, drafter=self.name)
-            return [(int(i), det, float(dist[i])) for i in idx]
-        prop = Proposal(ProposalKind.SAMPLED, drafter=self.name, q=dist)
-        cdf = np.cumsum(dist)
-        out = []
-        for _ in range(width):
-            tok = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), dist.shape[0] - 1)
-            out.append((tok, prop, math.log(max(float(dist[tok]), 1e-300))))
-        return out
+        #: committed tokens re-read by catch-up forwards (the KV commit keeps this near one per step)
+        self.catch_up_tokens = 0
+        self._pending: list[tuple[int, int, list[int]]] = []  # KV commits of this step: (slot, base, columns)
 
     # -- forwards ------------------------------------------------------------------------------------------
-    def _forward(self, rows: list[tuple[int, list[int], list[int], list[int], list[list[int]] | None, int]],
-                 sampling: list[SamplingParams], last_only: bool = False) -> list[np.ndarray]:
-        """rows: (slot, tokens, positions, columns, visible columns per token, prefix_len). ``visible`` None means
-        a causal chain over contiguous ``columns`` (the catch-up with committed tokens).
-
-        Returns per row the distributions ``[len(tokens), V]`` (``[1, V]`` of the last token with ``last_only``:
-        the catch-up needs only the root's children, so the output head and softmax run on one row)."""
-        device = self.model.device
-        b = len(rows)
-        t = max(len(r[1]) for r in rows)
-        key_len = max(max(r[3]) + 1 for r in rows)
-        ids = np.zeros((b, t), dtype=np.int64)
-        pos = np.zeros((b, t), dtype=np.int64)
-        cols = np.full((b, t), self.cache.scratch, dtype=np.int64)
-        mask = np.zeros((b, t, key_len), dtype=bool)
-        for i, (slot, toks, p, c, vis, prefix) in enumerate(rows):
-            n = len(toks)
-            ids[i, :n] = toks
-            pos[i, :n] = p
-            cols[i, :n] = c
-            mask[i, :n, :prefix] = True
-            if vis is None:
-                mask[i, :n, c[0]:c[0] + n] = np.tri(n, dtype=bool)
-            else:
-                for j, v in enumerate(vis):
-                    mask[i, j, v] = True
-            mask[i, n:, 0] = True
-        slots = torch.tensor([r[0] for r in rows], dtype=torch.long, device=device)
-        logit_index = None
-        if last_only:
-            logit_index = torch.tensor([[len(r[1]) - 1] for r in rows], dtype=torch.long, device=device)
-        batch = ForwardBatch(slots, torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device),
-                             torch.from_numpy(cols).to(device), torch.from_numpy(mask).to(device),
-                             logit_index=logit_index)
+    def _forward(self, slots: list[int], ids: list[list[int]], positions: list[list[int]], columns: list[list[int]],
+                 mask: torch.Tensor, last_only: bool) -> torch.Tensor:
+        """One draft forward over ragged rows (padded here). ``mask`` is ``[B, T, S]`` on the device.
+        Returns logits ``[B, T, V]`` (``[B, 1, V]`` of each row's last token with ``last_only``)."""
+        dev = self.model.device
+        t = mask.shape[1]
+        pad = lambda rows, value: [r + [value] * (t - len(r)) for r in rows]  # noqa: E731
+        lengths = [len(r) for r in ids]
+        batch = ForwardBatch(
+            torch.tensor(slots, device=dev), torch.tensor(pad(ids, 0), device=dev),
+            torch.tensor(pad(positions, 0), device=dev), torch.tensor(pad(columns, self.cache.scratch), device=dev),
+            mask, logit_index=torch.tensor([[n - 1] for n in lengths], device=dev) if last_only else None,
+            slot_list=list(slots), max_position=max(max(p) for p in positions))
         logits, _ = self.model.forward_batch(self.cache, batch)
         self.forwards += 1
-        dists = self._distributions(logits.cpu(), sampling)
-        if last_only:
-            return list(dists)
-        return [d[: len(r[1])] for d, r in zip(dists, rows)]
+        return logits
+
+    def _catch_up(self, inputs: list[DraftInput]) -> torch.Tensor:
+        """Feed every request's committed tokens the draft has not seen; returns the root rows' logits ``[B, V]``."""
+        ids, pos, slots, starts = [], [], [], []
+        for inp in inputs:
+            cached = self.cache.lengths[inp.slot]
+            if cached > len(inp.context) - 1:
+                cached = 0  # stale slot (reused or preempted): rebuild
+            ids.append(inp.context[cached:])
+            pos.append(list(range(cached, len(inp.context))))
+            slots.append(inp.slot)
+            starts.append(cached)
+        dev = self.model.device
+        t = max(len(r) for r in ids)
+        key_len = max(len(inp.context) for inp in inputs)
+        start = torch.tensor(starts, device=dev)
+        n = torch.tensor([len(r) for r in ids], device=dev)
+        q_pos = start[:, None] + torch.arange(t, device=dev)[None, :]  # [B, T]
+        cols = torch.arange(key_len, device=dev)
+        mask = cols[None, None, :] <= q_pos[:, :, None]
+        valid = torch.arange(t, device=dev)[None, :] < n[:, None]
+        mask &= valid[:, :, None]
+        mask[:, :, 0] |= ~valid
+        logits = self._forward(slots, ids, pos, pos, mask, last_only=True)[:, 0]
+        self.catch_up_tokens += sum(len(r) for r in ids)
+        for inp in inputs:
+            self.cache.lengths[inp.slot] = len(inp.context)
+        return logits
+
+    # -- choosing children on the device -------------------------------------------------------------------
+    def _q(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Draft distributions ``[N, vocab_limit]`` (float32) after each row's warpers, batched per distinct
+        sampling parameters."""
+        logits = logits[:, : self.vocab_limit].float()
+        groups: dict[tuple, list[int]] = {}
+        for i, sp in enumerate(params):
+            groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(i)
+        if len(groups) == 1:
+            return torch.softmax(warp_logits(logits, params[0]), -1)
+        out = torch.empty_like(logits)
+        for idx in groups.values():
+            sel = torch.tensor(idx, device=logits.device)
+            out[sel] = torch.softmax(warp_logits(logits[sel], params[idx[0]]), -1)
+        return out
 
     def propose(self, inputs: list[DraftInput]) -> list[TokenTree]:
         if not inputs:
             return []
         spec = self.tree_spec
         trees = [TokenTree(inp.context[-1]) for inp in inputs]
-        # 1) catch up with the committed context; the last row yields the root's children
-        rows = []
-        for inp in inputs:
-            length = self.cache.lengths[inp.slot]
-            if length > len(inp.context) - 1:
-                length = 0  # stale slot (reused or preempted): rebuild
-            catch = inp.context[length:]
-            columns = list(range(length, len(inp.context)))
-            rows.append((inp.slot, catch, columns, columns, None, length))
-        logits = self._forward(rows, [inp.sampling for inp in inputs], last_only=True)
-        for inp in inputs:
-            self.cache.lengths[inp.slot] = len(inp.context)
-        frontier: list[list[tuple[_Node, np.ndarray]]] = [
-            [(_Node(0, len(inp.context) - 1, 0.0), lg[-1])] for inp, lg in zip(inputs, logits)
-        ]
-        nodes: list[dict[int, _Node]] = [{0: fr[0][0]} for fr in frontier]
-        next_col = [len(inp.context) for inp in inputs]
+        cap = spec.dynamic_nodes + 1 if spec.dynamic_nodes else spec.num_nodes()
+        units = [max(0, min(inp.node_budget, cap) - 1) for inp in inputs]  # draws left, root excluded
         depth_limit = [min(inp.max_depth, spec.depth) for inp in inputs]
-        budget = [inp.node_budget if not spec.dynamic_nodes else min(inp.node_budget, spec.dynamic_nodes + 1)
-                  for inp in inputs]
+        fed = [{0} for _ in inputs]  # nodes whose draft K/V are in the cache (column base + node)
+        logits = self._catch_up(inputs)
+        frontier = [[0] for _ in inputs]  # per request: nodes whose children the level's rows give
+        rows = [(i, 0) for i in range(len(inputs))]  # (request, node) of each row of ``logits``
+        cum = torch.zeros(len(inputs), device=logits.device)  # dynamic: cumulative log-probability per row
         depth = 0
-        while True:
+        while rows:
             depth += 1
-            new_rows, new_nodes = [], []
-            for i, inp in enumerate(inputs):
-                created: list[_Node] = []
-                if depth <= depth_limit[i] and frontier[i]:
-                    created = self._expand(i, inp, trees[i], nodes[i], frontier[i], depth, budget[i])
-                frontier[i] = []
-                if created and depth < depth_limit[i]:
-                    for node in created:
-                        node.column = next_col[i]
-                        next_col[i] += 1
-                    new_nodes.append((i, created))
-            if not new_nodes:
+            active = [r for r in range(len(rows)) if depth <= depth_limit[rows[r][0]] and units[rows[r][0]] > 0]
+            if not active:
                 break
-            for i, created in new_nodes:
-                inp = inputs[i]
-                tree = trees[i]
-                toks, pos, cols, vis = [], [], [], []
-                for node in created:
-                    path = tree.path_to(node.tree_index)[1:]
-                    toks.append(tree.tokens[node.tree_index])
-                    pos.append(len(inp.context) - 1 + tree.depths[node.tree_index])
-                    cols.append(node.column)
-                    vis.append([nodes[i][p].column for p in path])
-                new_rows.append((inp.slot, toks, pos, cols, vis, len(inp.context)))
-            out = self._forward(new_rows, [inputs[i].sampling for i, _ in new_nodes])
-            for (i, created), lg in zip(new_nodes, out):
-                frontier[i] = [(node, lg[j]) for j, node in enumerate(created)]
+            if len(active) != len(rows):
+                sel = torch.tensor(active, device=logits.device)
+                logits, cum = logits[sel], cum[sel]
+                rows = [rows[r] for r in active]
+            if spec.dynamic_nodes:
+                created, new_cum = self._expand_dynamic(inputs, trees, units, rows, logits, cum)
+            else:
+                created = self._expand_static(inputs, trees, units, rows, logits, spec.widths[depth - 1])
+                new_cum = None
+            feed = [(i, node) for i, node in created if depth < depth_limit[i]]
+            if not feed:
+                break
+            logits = self._feed(inputs, trees, feed)
+            for i, node in feed:
+                fed[i].add(node)
+            rows = feed
+            if new_cum is not None:
+                keep = {key: j for j, key in enumerate(created)}
+                cum = new_cum[torch.tensor([keep[key] for key in feed], device=logits.device)]
+            else:
+                cum = torch.zeros(len(rows), device=logits.device)
         for i, inp in enumerate(inputs):
-            cols = {idx: n.column for idx, n in nodes[i].items() if n.column >= 0 and idx != 0}
-            self._fed[inp.request_id] = (trees[i], cols, len(inp.context), inp.slot)
+            inp.state["tree"] = trees[i]
+            inp.state["fed"] = fed[i]
+            inp.state["base"] = len(inp.context) - 1
         return trees
 
-    def _expand(self, i, inp, tree: TokenTree, nodes, frontier, depth, budget) -> list[_Node]:
-        spec = self.tree_spec
-        created: list[_Node] = []
-        if spec.dynamic_nodes:
-            cands = []
-            for node, lg in frontier:
-                logp = lg if inp.sampling.greedy else np.log(np.maximum(lg, 1e-300))
-                for tok, prop, logp in self._children(logp, spec.beam, _GREEDY, inp.rng):
-                    cands.append((node.cum_logprob + logp, node.tree_index, tok, prop))
-            cands.sort(key=lambda c: -c[0])
-            for cum, parent, tok, prop in cands[: spec.beam]:
-                if len(tree) >= budget:
-                    break
-                idx = tree.add(parent, tok, prop)
-                if idx not in nodes:
-                    nodes[idx] = _Node(idx, -1, cum)
-                    created.append(nodes[idx])
-            return created
-        width = spec.widths[depth - 1]
-        for node, lg in frontier:
-            for tok, prop, logp in self._children(lg, width, inp.sampling, inp.rng):
-                if len(tree) >= budget and tree.child(node.tree_index, tok) is None:
-                    continue
-                idx = tree.add(node.tree_index, tok, prop)
-                if idx not in nodes:
-                    nodes[idx] = _Node(idx, -1, node.cum_logprob + logp)
-                    created.append(nodes[idx])
+    def _expand_static(self, inputs, trees, units, rows, logits, width) -> list[tuple[int, int]]:
+        """Children of every row's node: ``min(width, units left)`` draws each, counted before drawing; greedy
+        rows take the top-k (deterministic), sample rows draw from ``q`` (sampled). One host copy of the ids."""
+        n_rows = len(rows)
+        counts = []
+        for i, _ in rows:
+            n = min(width, units[i])
+            counts.append(n)
+            units[i] -= n
+        sample = [r for r, (i, _) in enumerate(rows) if not inputs[i].sampling.greedy]
+        greedy = [r for r, (i, _) in enumerate(rows) if inputs[i].sampling.greedy]
+        dev = logits.device
+        k = max(counts) if counts else 0
+        if k == 0:
+            return []
+        chosen = torch.zeros((n_rows, k), dtype=torch.long, device=dev)
+        q_table = None
+        if greedy:
+            g = torch.tensor(greedy, device=dev) if len(greedy) != n_rows else None
+            sel = logits if g is None else logits[g]
+            top = torch.topk(sel[:, : self.vocab_limit], k, dim=-1).indices
+            if g is None:
+                chosen = top
+            else:
+                chosen[g] = top
+        if sample:
+            s = torch.tensor(sample, device=dev)
+            q_table = self._q(logits[s], [inputs[rows[r][0]].sampling for r in sample])
+            uniforms = []
+            for r in sample:  # the request's own stream, in draw order
+                rng = inputs[rows[r][0]].rng
+                uniforms.append([rng.random() for _ in range(counts[r])] + [0.0] * (k - counts[r]))
+            drawn = sample_inverse_cdf(q_table, torch.tensor(uniforms, dtype=torch.float32, device=dev))
+            chosen[s] = drawn
+        ids = chosen.tolist()  # the one host copy of this depth
+        created = []
+        sample_row = {r: j for j, r in enumerate(sample)}
+        det = Proposal(ProposalKind.DETERMINISTIC, drafter=self.name)
+        for r, (i, node) in enumerate(rows):
+            tree = trees[i]
+            if r in sample_row:
+                prop = Proposal(ProposalKind.SAMPLED, drafter=self.name, q=QRef(q_table, sample_row[r]))
+            else:
+                prop = det
+            for j in range(counts[r]):
+                before = len(tree)
+                child = tree.add(node, ids[r][j], prop)
+                if len(tree) > before:
+                    created.append((i, child))
         return created
 
-    def observe(self, request_id: str, tree: TokenTree, path: tuple[int, ...], committed: list[int]) -> None:
-        """KV commit for the draft cache: keep the accepted nodes' keys/values, contiguous after the context."""
-        fed = self._fed.pop(request_id, None)
-        if fed is None or fed[0] is not tree:
-            return
-        _, cols, base, slot = fed
-        src = []
-        for node in path[1:]:
-            if node not in cols:
-                break
-            src.append(cols[node])
-        self.cache.compact(slot, base, src)
+    def _expand_dynamic(self, inputs, trees, units, rows, logits, cum) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        """Dynamic expansion: per request, the ``beam`` best children of its frontier by cumulative draft
+        log-probability (deterministic proposals). One host copy of (row, token, score)."""
+        beam = self.tree_spec.beam
+        dev = logits.device
+        params = [inputs[i].sampling for i, _ in rows]
+        if all(p.greedy for p in params):
+            logp = torch.log_softmax(logits[:, : self.vocab_limit].float(), -1)
+        else:
+            logp = torch.log(self._q(logits, params).clamp_min(1e-30))
+        vals, toks = torch.topk(logp, min(beam, logp.shape[-1]), dim=-1)  # [N, beam]
+        scores = cum[:, None] + vals
+        # per request: its rows' candidates side by side, padded with -inf
+        by_req: dict[int, list[int]] = {}
+        for r, (i, _) in enumerate(rows):
+            by_req.setdefault(i, []).append(r)
+        reqs = list(by_req)
+        width = max(len(v) for v in by_req.values()) * vals.shape[1]
+        index = torch.tensor([sum(([r * vals.shape[1] + c for c in range(vals.shape[1])] for r in by_req[i]), [])
+                              + [0] * (width - len(by_req[i]) * vals.shape[1]) for i in reqs], device=dev)
+        valid = torch.tensor([[True] * (len(by_req[i]) * vals.shape[1]) + [False] * (width - len(by_req[i])
+                                                                                      * vals.shape[1])
+                              for i in reqs], device=dev)
+        flat_scores = torch.where(valid, scores.reshape(-1)[index], torch.full_like(index, float("-inf"),
+                                                                                    dtype=scores.dtype))
+        best, where = torch.topk(flat_scores, min(beam, width), dim=-1)  # [R, beam]
+        flat = torch.gather(index, 1, where)
+        picked = torch.stack([flat.double(), toks.reshape(-1)[flat].double(), best.double()], -1)
+        host = picked.tolist()  # the one host copy of this depth
+        created, new_scores = [], []
+        det = Proposal(ProposalKind.DETERMINISTIC, drafter=self.name)
+        for ri, i in enumerate(reqs):
+            tree = trees[i]
+            for flat_idx, tok, score in host[ri]:
+                if units[i] <= 0 or score == float("-inf"):
+                    break
+                r = int(flat_idx) // vals.shape[1]
+                parent = rows[r][1]
+                before = len(tree)
+                child = tree.add(parent, int(tok), det)
+                if len(tree) > before:
+                    units[i] -= 1
+                    created.append((i, child))
+                    new_scores.append(score)
+        return created, torch.tensor(new_scores, dtype=torch.float32, device=dev)
 
-    def release(self, request_id: str, slot: int) -> None:
-        self._fed.pop(request_id, None)
+    def _feed(self, inputs, trees, feed: list[tuple[int, int]]) -> torch.Tensor:
+        """One draft forward over the new nodes of every request; returns their logits ``[N, V]`` in ``feed``
+        order. Each node sits in column ``base + node`` and sees the prefix and its ancestors only."""
+        dev = self.model.device
+        by_req: dict[int, list[int]] = {}
+        for i, node in feed:
+            by_req.setdefault(i, []).append(node)
+        reqs = list(by_req)
+        t_nodes = max(len(trees[i]) for i in reqs)
+        parents = torch.tensor([trees[i].parents + [-1] * (t_nodes - len(trees[i])) for i in reqs], device=dev)
+        anc = ancestor_matrix(parents, max(trees[i].max_depth for i in reqs))
+        base = [len(inputs[i].context) - 1 for i in reqs]
+        key_len = max(b + len(trees[i]) for b, i in zip(base, reqs))
+        full = tree_mask(torch.tensor(base, device=dev), anc, torch.tensor([len(trees[i]) for i in reqs], device=dev),
+                         key_len)  # [R, T_nodes, S]
+        width = max(len(v) for v in by_req.values())
+        pick = torch.tensor([by_req[i] + [0] * (width - len(by_req[i])) for i in reqs], device=dev)
+        mask = torch.gather(full, 1, pick[:, :, None].expand(-1, -1, key_len))
+        valid = torch.tensor([[True] * len(by_req[i]) + [False] * (width - len(by_req[i])) for i in reqs], device=dev)
+        mask &= valid[:, :, None]
+        mask[:, :, 0] |= ~valid
+        ids = [[trees[i].tokens[n] for n in by_req[i]] for i in reqs]
+        pos = [[b + trees[i].depths[n] for n in by_req[i]] for b, i in zip(base, reqs)]
+        cols = [[b + n for n in by_req[i]] for b, i in zip(base, reqs)]
+        logits = self._forward([inputs[i].slot for i in reqs], ids, pos, cols, mask, last_only=False)
+        # back to ``feed`` order
+        order = {}
+        for ri, i in enumerate(reqs):
+            for j, node in enumerate(by_req[i]):
+                order[(i, node)] = ri * width + j
+        flat = logits.reshape(-1, logits.shape[-1])
+        return flat[torch.tensor([order[key] for key in feed], device=dev)]
+
+    # -- KV commit ------------------------------------------------------------------------------------------
+    def observe(self, state: dict, slot: int, tree: TokenTree, accepted: list[int], committed: list[int]) -> None:
+        """Queue the KV commit: the accepted tokens found in this drafter's own tree (whatever was merged into
+        the verified tree) whose keys/values were fed, moved right after the context."""
+        own: TokenTree | None = state.pop("tree", None)
+        fed: set[int] = state.pop("fed", set())
+        base = state.pop("base", None)
+        if own is None or base is None:
+            return
+        src = []
+        for node in own.walk(list(accepted)):
+            if node not in fed:
+                break
+            src.append(base + node)
+        self._pending.append((slot, base + 1, src))
+
+    def end_step(self) -> None:
+        if self._pending:
+            slots, bases, cols = zip(*self._pending)
+            self._pending = []
+            self.cache.compact_batch(list(slots), list(bases), list(cols))
+
+    def release(self, slot: int) -> None:
         self.cache.reset(slot)

@@ -18,7 +18,8 @@ from specstream.stages.speculative.tree import Proposal, ProposalKind, TokenTree
 
 
 class TemporalDrafter(Drafter):
-    """Drafts a request's tokens from a hypothesis given per request (:meth:`set_hypothesis`).
+    """Drafts a request's tokens from its previous hypothesis (``Request.draft_hypothesis``: generated tokens of
+    the previous hypothesis, no prompt; keep or drop its end-of-text token as you want it drafted).
 
     Args:
         max_ngram, min_ngram: context suffix lengths looked up, longest first.
@@ -33,26 +34,14 @@ class TemporalDrafter(Drafter):
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.max_branches, self.max_depth = max_branches, max_depth
-        self._hypotheses: dict[str, list[int]] = {}
-        self._cursor: dict[str, int] = {}
         self._proposal = Proposal(ProposalKind.DETERMINISTIC, drafter=self.name)
 
-    def set_hypothesis(self, request_id: str, tokens: Sequence[int]) -> None:
-        """Draft ``request_id`` from ``tokens`` (generated tokens of the previous hypothesis, no prompt; keep
-        or drop its end-of-text token as you want it drafted). Call before the request's first decode step."""
-        self._hypotheses[request_id] = [int(t) for t in tokens]
-        self._cursor[request_id] = 0
-
-    def hypothesis(self, request_id: str) -> list[int] | None:
-        hyp = self._hypotheses.get(request_id)
-        return None if hyp is None else list(hyp)
-
-    def continuations(self, request_id: str, context: Sequence[int], depth: int) -> list[tuple[int, list[int]]]:
+    def continuations(self, hypothesis: Sequence[int] | None, context: Sequence[int], depth: int,
+                      cursor: int = 0) -> list[tuple[int, list[int]]]:
         """``(end index in the hypothesis, continuation)`` pairs, best first, each up to ``depth`` tokens."""
-        hyp = self._hypotheses.get(request_id)
+        hyp = list(hypothesis or ())
         if not hyp or depth <= 0:
             return []
-        cursor = self._cursor.get(request_id, 0)
         out: list[tuple[int, list[int]]] = []
         seen: set[tuple[int, ...]] = set()
         for n in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
@@ -76,23 +65,21 @@ class TemporalDrafter(Drafter):
         for inp in inputs:
             tree = TokenTree(inp.context[-1])
             depth = min(inp.max_depth, self.max_depth, inp.node_budget - 1)
-            for _, cont in self.continuations(inp.request_id, inp.context, depth):
-                tree.add_path(cont, self._proposal, max_nodes=inp.node_budget)
+            if inp.hypothesis:
+                inp.state["hypothesis"] = inp.hypothesis
+                for _, cont in self.continuations(inp.hypothesis, inp.context, depth, inp.state.get("cursor", 0)):
+                    tree.add_path(cont, self._proposal, max_nodes=inp.node_budget)
             trees.append(tree)
         return trees
 
-    def observe(self, request_id: str, tree: TokenTree, path: tuple[int, ...], committed: list[int]) -> None:
-        hyp = self._hypotheses.get(request_id)
+    def observe(self, state: dict, slot: int, tree: TokenTree, accepted: list[int], committed: list[int]) -> None:
+        hyp = state.get("hypothesis")
         if not hyp or not committed:
             return
         # advance the cursor past the committed tokens when they continue the hypothesis from the cursor
-        cursor = self._cursor.get(request_id, 0)
+        cursor = state.get("cursor", 0)
         n = len(committed)
         for start in range(cursor, len(hyp) - n + 1):
-            if hyp[start:start + n] == committed:
-                self._cursor[request_id] = start + n
+            if list(hyp[start:start + n]) == list(committed):
+                state["cursor"] = start + n
                 return
-
-    def release(self, request_id: str, slot: int) -> None:
-        self._hypotheses.pop(request_id, None)
-        self._cursor.pop(request_id, None)

@@ -5,7 +5,11 @@ is a scratch column: padded query rows of a ragged batch write there and nobody 
 per slot and cache column, the position id of the token stored there (used for sliding-window masks).
 
 Invariant (KV commit): after each engine step, slot ``s`` holds exactly ``lengths[s]`` entries, contiguous from
-column 0: the prompt and the committed tokens, nothing of rejected tree branches.
+column 0: the prompt and the committed tokens, nothing of rejected tree branches. Columns past the length are
+stale and masked, and must stay finite, because a masked column's NaN would still poison attention
+(0 x NaN = NaN): the executor zeroes the columns of rejected nodes whose logits were not finite
+(:meth:`zero_columns`) and a failed request's whole slot (:meth:`clear`). A drafter's cache, whose output never
+decides what is committed, replaces non-finite keys/values on write instead (``sanitize``).
 """
 
 from __future__ import annotations
@@ -38,11 +42,17 @@ class KVCache:
         self.lengths = [0] * num_slots
         self.max_len = max_len
         self.num_slots = num_slots
+        #: replace non-finite keys/values by finite ones on write (drafters' caches)
+        self.sanitize = False
 
     @property
     def scratch(self) -> int:
         """Cache column that padded rows write to."""
         return self.max_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
@@ -51,41 +61,76 @@ class KVCache:
         """Forget a slot's contents (the slot is freed or reused)."""
         self.lengths[slot] = 0
 
+    def clear(self, slot: int) -> None:
+        """Zero a slot's keys and values (its request failed: nothing of it may reach the next request)."""
+        self.k[:, slot].zero_()
+        self.v[:, slot].zero_()
+        self.lengths[slot] = 0
+
+    def zero_columns(self, slot: int, start: int, end: int) -> None:
+        """Zero columns ``[start, end)`` of a slot (stale entries of rejected nodes whose logits were not finite)."""
+        if end > start:
+            self.k[:, slot, :, start:end].zero_()
+            self.v[:, slot, :, start:end].zero_()
+
     def write(self, layer: int, slots: torch.Tensor, write_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store new keys/values.
+        """Store new keys/values (made finite first when :attr:`sanitize` is set).
 
         Args:
             slots: ``[B]`` slot of each batch row.
             write_index: ``[B, T]`` cache column of each new token.
             k, v: ``[B, num_kv_heads, T, head_dim]``.
         """
-        self.k[layer][slots[:, None], :, write_index] = k.transpose(1, 2)
-        self.v[layer][slots[:, None], :, write_index] = v.transpose(1, 2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if self.sanitize:
+            k, v = torch.nan_to_num(k), torch.nan_to_num(v)
+        self.k[layer][slots[:, None], :, write_index] = k
+        self.v[layer][slots[:, None], :, write_index] = v
 
-    def covers_all_slots(self, slots: torch.Tensor) -> bool:
-        """True when ``slots`` is ``0, 1, ..., num_slots - 1``: :meth:`read` can then slice instead of gather.
-        Decided once per forward (it synchronises with the device)."""
-        return slots.numel() == self.num_slots and bool(
-            (slots == torch.arange(self.num_slots, device=slots.device)).all())
+    @staticmethod
+    def contiguous_range(slots: list[int]) -> int | None:
+        """The first slot when ``slots`` is an increasing contiguous range (reads can then slice, not copy)."""
+        first = slots[0]
+        return first if slots == list(range(first, first + len(slots))) else None
 
-    def read(self, layer: int, slots: torch.Tensor | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values of columns ``[0, length)`` for each slot: two ``[B, num_kv_heads, length, head_dim]``.
+    def read(self, layer: int, slots: torch.Tensor | slice | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of columns ``[0, length)`` for each row: two ``[B, num_kv_heads, length, head_dim]``.
 
-        ``slots`` None means every slot in order (a view, no copy; see :meth:`covers_all_slots`)."""
+        ``slots``: a ``slice`` of slots (a view, no copy), a ``[B]`` index tensor (a gather), or None for every
+        slot in order."""
         if slots is None:
-            return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
+            slots = slice(None)
         return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
 
     def compact(self, slot: int, base: int, src_columns: list[int]) -> None:
-        """KV commit: move columns ``src_columns`` (absolute, increasing) to ``base, base+1, ...`` of ``slot``.
+        """KV commit of one slot: move ``src_columns`` (absolute, increasing) to ``base, base+1, ...``."""
+        self.compact_batch([slot], [base], [src_columns])
 
-        Sets the slot's length to ``base + len(src_columns)``. Entries after it are stale and never read.
+    def compact_batch(self, slots: list[int], bases: list[int], src_columns: list[list[int]]) -> None:
+        """KV commit of many slots in one gather + scatter over every layer.
+
+        Slot ``slots[i]`` keeps ``src_columns[i]`` (absolute columns, increasing), moved to ``bases[i], ...``;
+        its length becomes ``bases[i] + len(src_columns[i])``.
         """
-        n = len(src_columns)
-        if n and src_columns != list(range(base, base + n)):
-            src = torch.tensor(src_columns, dtype=torch.long, device=self.k.device)
-            dst = slice(base, base + n)
-            self.k[:, slot, :, dst] = self.k[:, slot, :, src]
-            self.v[:, slot, :, dst] = self.v[:, slot, :, src]
-            self.positions[slot, dst] = self.positions[slot, src]
-        self.lengths[slot] = base + n
+        src, dst, rows = [], [], []
+        for slot, base, cols in zip(slots, bases, src_columns):
+            n = len(cols)
+            if n and cols != list(range(base, base + n)):
+                rows.append(slot)
+                src.append(list(cols))
+                dst.append(list(range(base, base + n)))
+            self.lengths[slot] = base + n
+        if not rows:
+            return
+        width = max(len(s) for s in src)
+        scratch = self.scratch
+        for s, d in zip(src, dst):  # pad with scratch -> scratch copies
+            s.extend([scratch] * (width - len(s)))
+            d.extend([scratch] * (width - len(d)))
+        dev = self.k.device
+        r = torch.tensor(rows, device=dev)[:, None]
+        si, di = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        # advanced indices on dims 1 and 3 -> [n_rows, width, layers, heads, head_dim]
+        self.k[:, r, :, di] = self.k[:, r, :, si]
+        self.v[:, r, :, di] = self.v[:, r, :, si]
+        self.positions[r, di] = self.positions[r, si]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specstream.kernels.tree_attention import tree_attention
+from specstream.kernels.tree_attention import attention_bias, tree_attention
 from specstream.stages.speculative.models.config import DecoderConfig
 from specstream.stages.speculative.models.kv_cache import KVCache
 
@@ -30,6 +30,9 @@ class ForwardBatch:
         logit_index: ``[B, R]`` rows whose logits are returned (None: all ``T``).
         inputs_embeds: ``[B, T, hidden]`` optional embeddings (visual tokens spliced in by a VLM).
         attention_layers: layer indices whose attention probabilities are returned (``[B, Hq, T, S]`` each).
+        slot_list: the slots as a host list (lets the decoder slice the cache instead of gathering, without a
+            device sync); None: read from ``slots``.
+        max_position: the largest position id, known on the host (checked without a device sync).
     """
 
     slots: torch.Tensor
@@ -40,7 +43,20 @@ class ForwardBatch:
     logit_index: torch.Tensor | None = None
     inputs_embeds: torch.Tensor | None = None
     attention_layers: tuple[int, ...] = ()
-    read_slots: torch.Tensor | None = None  # set by the decoder: slots to gather, None = all slots in order
+    slot_list: list[int] | None = None
+    max_position: int | None = None  # host-known largest position id (lets a decoder check it without a sync)
+    read_slots: torch.Tensor | slice | None = None  # set by the decoder: a slice of slots (view) or an index tensor
+    attn_bias: torch.Tensor | None = None  # set by the decoder: additive [B, 1, T, S] bias shared by every layer
+
+    def resolve_reads(self) -> None:
+        """Decide once per forward, on the host, how layers read the cache: a slice when the slots are a
+        contiguous increasing range, else a gather."""
+        slots = self.slot_list if self.slot_list is not None else self.slots.tolist()
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            self.read_slots = slice(first, first + len(slots))
+        else:
+            self.read_slots = self.slots
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +101,7 @@ class Attention(nn.Module):
         cache.write(self.layer, batch.slots, batch.write_index, k, v)
         keys, values = cache.read(self.layer, batch.read_slots, key_len)
         want = self.layer in batch.attention_layers
-        out, probs = tree_attention(q, keys, values, mask, self.head_dim**-0.5, return_probs=want)
+        out, probs = tree_attention(q, keys, values, batch.attn_bias, self.head_dim**-0.5, return_probs=want)
         out = out.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim)
         return self.o_proj(out), probs
 
@@ -185,12 +201,13 @@ class LlamaDecoder(nn.Module):
         mask = batch.attn_mask
         # remember the position id stored in every written column (sliding-window masks need it)
         cache.positions[batch.slots[:, None], batch.write_index] = batch.position_ids
-        batch.read_slots = None if cache.covers_all_slots(batch.slots) else batch.slots
+        batch.resolve_reads()
         if self.config.sliding_window is not None:
             key_pos = cache.positions[batch.slots, :key_len]
             window = (batch.position_ids[:, :, None] - key_pos[:, None, :]) < self.config.sliding_window
             mask = mask & window
             mask[:, :, 0] |= ~mask.any(-1)
+        batch.attn_bias = attention_bias(mask, x.dtype)
         cos, sin = self._rope(batch.position_ids, x.dtype)
         probs: dict[int, torch.Tensor] = {}
         for layer in self.model.layers:

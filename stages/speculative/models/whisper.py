@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specstream.errors import UnsupportedArchitectureError
-from specstream.kernels.tree_attention import tree_attention
+from specstream.kernels.tree_attention import attention_bias, tree_attention
 from specstream.stages.speculative.models.kv_cache import KVCache
 from specstream.stages.speculative.models.llama import ForwardBatch
 
@@ -161,7 +161,7 @@ class WhisperSelfAttention(_WhisperAttention):
         cache.write(self.layer, batch.slots, batch.write_index, k, v)
         keys, values = cache.read(self.layer, batch.read_slots, key_len)
         want = self.layer in batch.attention_layers
-        out, probs = tree_attention(q, keys, values, mask, self.head_dim**-0.5, return_probs=want)
+        out, probs = tree_attention(q, keys, values, batch.attn_bias, self.head_dim**-0.5, return_probs=want)
         return self.out_proj(out.transpose(1, 2).reshape(bsz, t, -1)), probs
 
 
@@ -197,18 +197,10 @@ class WhisperCrossAttention(_WhisperAttention):
     def forward(self, x, cache: WhisperKVCache, batch: ForwardBatch, enc_len: int, enc_mask: torch.Tensor | None):
         bsz, t, _ = x.shape
         q = self.q_proj(x).view(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
-        keys = _slot_rows(cache.cross_k[self.layer], batch.slots)[:, :, :enc_len]
-        values = _slot_rows(cache.cross_v[self.layer], batch.slots)[:, :, :enc_len]
+        keys = cache.cross_k[self.layer][batch.read_slots, :, :enc_len]
+        values = cache.cross_v[self.layer][batch.read_slots, :, :enc_len]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=enc_mask, scale=self.head_dim**-0.5)
         return self.out_proj(out.transpose(1, 2).reshape(bsz, t, -1))
-
-
-def _slot_rows(storage: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """``storage[slots]`` without a copy when ``slots`` is a contiguous increasing range (the common case)."""
-    first = int(slots[0])
-    if bool((slots == torch.arange(first, first + slots.numel(), device=slots.device)).all()):
-        return storage[first:first + slots.numel()]
-    return storage[slots]
 
 
 class WhisperDecoderLayer(nn.Module):
@@ -385,8 +377,8 @@ class WhisperDecoder(nn.Module):
         logits = self.proj_out(dec.layer_norm(x)).float()[0]
         return logits, torch.stack([found[lh] for lh in heads])
 
-    def _encoder_mask(self, cache: WhisperKVCache, slots: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        lengths = [cache.enc_lengths[int(s)] for s in slots.tolist()]
+    def _encoder_mask(self, cache: WhisperKVCache, slots: list[int]) -> tuple[int, torch.Tensor | None]:
+        lengths = [cache.enc_lengths[s] for s in slots]
         if min(lengths) == 0:
             raise ValueError("forward on a slot without encoder output: call set_encoder_output first")
         enc_len = max(lengths)
@@ -410,16 +402,18 @@ class WhisperDecoder(nn.Module):
         """
         if batch.input_ids.ndim != 2 or batch.attn_mask.ndim != 3:
             raise ValueError("input_ids must be [B, T] and attn_mask [B, T, S]")
-        if int(batch.position_ids.max()) >= self.config.max_position_embeddings:
-            raise ValueError(f"position {int(batch.position_ids.max())} beyond the decoder's "
-                             f"{self.config.max_position_embeddings} positions")
+        top = batch.max_position if batch.max_position is not None else int(batch.position_ids.max())
+        if top >= self.config.max_position_embeddings:
+            raise ValueError(f"position {top} beyond the decoder's {self.config.max_position_embeddings} positions")
         dec = self.model.decoder
         x = batch.inputs_embeds if batch.inputs_embeds is not None else self.embed(batch.input_ids)
         x = x.to(self.dtype) + dec.embed_positions(batch.position_ids)
         key_len = batch.attn_mask.shape[-1]
         cache.positions[batch.slots[:, None], batch.write_index] = batch.position_ids
-        batch.read_slots = None if cache.covers_all_slots(batch.slots) else batch.slots
-        enc_len, enc_mask = self._encoder_mask(cache, batch.slots)
+        batch.resolve_reads()
+        batch.attn_bias = attention_bias(batch.attn_mask, x.dtype)
+        enc_len, enc_mask = self._encoder_mask(
+            cache, batch.slot_list if batch.slot_list is not None else batch.slots.tolist())
         probs: dict[int, torch.Tensor] = {}
         for layer in dec.layers:
             x, p = layer(x, cache, batch, key_len, batch.attn_mask, enc_len, enc_mask)
