@@ -22,9 +22,7 @@ class SchedulerMetrics:
     Args:
         registry: where to register; a new :class:`CollectorRegistry` by default (so several schedulers, e.g. in
             tests and benchmarks, never collide in the global one).
-        prefix: metric name prefix; two engines in one registry need different ones (the server exports the
-            speech engine as ``specstream_scheduler_*`` and the caption engine as
-            ``specstream_caption_scheduler_*``).
+        prefix: metric name prefix (the device loop's one scheduler exports ``specstream_scheduler_*``).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, prefix: str = "specstream_scheduler_"):

@@ -266,7 +266,8 @@ class QosScheduler:
         self.prefilling: dict[str, Request] = {}  # admitted (slot held), prefill chunks still to run
         self._queued: dict[str, Request] = {}  # not admitted, not finished (encode pending or waiting)
         self._meta: dict[str, _Meta] = {}
-        self._encode_q: dict[str, list[tuple[str, EncodeItem, float]]] = {m: [] for m in self.config.encoders}
+        self.encoders: dict[str, EncodeBatching] = dict(self.config.encoders)  # add_modality extends it
+        self._encode_q: dict[str, list[tuple[str, EncodeItem, float]]] = {m: [] for m in self.encoders}
         self._in_flight: set[str] = set()  # encode item ids planned, not yet booked
         self._free: dict[str, list[int]] = {m: list(range(lim.num_slots))[::-1] for m, lim in self.limits.items()}
         self._released: list[tuple[str, int, str]] = []  # (request id, slot, model)
@@ -313,6 +314,13 @@ class QosScheduler:
             for q in QOS_CLASSES:
                 self.metrics.queue_depth.labels(name, q).set(0)
 
+    def add_modality(self, modality: str, batching: EncodeBatching | None = None) -> None:
+        """Batch ``modality`` inputs too (a runner joining the device loop encodes them); a modality already
+        configured keeps its batching."""
+        if modality not in self.encoders:
+            self.encoders[modality] = batching or _default_encoders().get(modality, EncodeBatching())
+            self._encode_q[modality] = []
+
     def _lim(self, req: Request) -> ModelLimits:
         return self.limits[req.model]
 
@@ -343,8 +351,8 @@ class QosScheduler:
         if request.qos not in _RANK:
             raise InvalidRequestError(f"unknown QoS class {request.qos!r}; expected one of {QOS_CLASSES}")
         for item in request.encodes:
-            if item.modality not in cfg.encoders:
-                raise InvalidRequestError(f"no encoder for modality {item.modality!r}; have {sorted(cfg.encoders)}")
+            if item.modality not in self.encoders:
+                raise InvalidRequestError(f"no encoder for modality {item.modality!r}; have {sorted(self.encoders)}")
         lim = self._lim(request)
         need = len(request.prompt_ids) + request.max_new_tokens
         memory = self.kv_budget // max(1, self._unit(request))
@@ -388,7 +396,7 @@ class QosScheduler:
 
     def next_event_s(self) -> float | None:
         """Clock time at which an encode batch that is waiting for more items becomes due (None: none waits)."""
-        times = [min(t for _, _, t in q) + self.config.encoders[m].max_delay_s
+        times = [min(t for _, _, t in q) + self.encoders[m].max_delay_s
                  for m, q in self._encode_q.items() if q]
         return min(times) if times else None
 
@@ -684,7 +692,7 @@ class QosScheduler:
         for modality, queue in self._encode_q.items():
             if not queue:
                 continue
-            bcfg = self.config.encoders[modality]
+            bcfg = self.encoders[modality]
             has_rt = any(self.requests[rid].qos == "realtime" for rid, _, _ in queue)
             due = min(t for _, _, t in queue) + bcfg.max_delay_s <= now + 1e-12
             if not (has_rt or due or len(queue) >= bcfg.max_batch):

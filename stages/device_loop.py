@@ -152,6 +152,8 @@ class DeviceLoop:
             scheduler = new_qos_scheduler()
             for r in runners:
                 scheduler.add_model(r.name, r.limits(), r.memory_bytes())
+                for modality in list(r.executor.mm_encoders) + list(r.executor.encoders):
+                    scheduler.add_modality(modality)
         self.scheduler = scheduler
         self.device = device
         self._entries: dict[str, _Entry] = {}
@@ -194,6 +196,8 @@ class DeviceLoop:
 
     def _add_runner_now(self, runner: ModelRunner) -> None:
         self.scheduler.add_model(runner.name, runner.limits(), runner.memory_bytes())
+        for modality in list(runner.executor.mm_encoders) + list(runner.executor.encoders):
+            self.scheduler.add_modality(modality)
         self.runners[runner.name] = runner
         self.failed.pop(runner.name, None)
 
