@@ -26,6 +26,7 @@ verify step commits it and the scheduler frees the slot (the engine keeps no oth
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import itertools
 import math
@@ -366,7 +367,10 @@ class ModelHub:
         self._locks = {k: asyncio.Lock() for k in ("vlm", "text", "speech", "clip")}
         self._transcribe_lock: asyncio.Lock | None = None
         self._ids = itertools.count()
-        self.cancelled = 0  # requests ended by cancel (client gone, stop string)
+        self.cancelled = 0  # requests ended early: cancelled (client gone) or cut by a stop string
+        #: the last finished requests, newest last: ``{"model", "qos", "tokens", "finish_reason"}`` where the reason
+        #: is the engine's (``eos``, ``length``) or ``cancelled`` (ended by cancellation or a stop string)
+        self.finished: collections.deque = collections.deque(maxlen=64)
 
     # -- what is served -------------------------------------------------------------------------------------------
     def models(self) -> list[ModelInfo]:
@@ -588,7 +592,7 @@ class ModelHub:
             req = m.make_request(prep, max_new, params, qos, hypothesis, (end,))
         else:
             req = m.make_request(None, max_new, params, qos, hypothesis, (end,), ids=ids)
-        stream = _Stream(m, params, end, on_delta)
+        stream = _Stream(m, params, end, on_delta, self.finished, qos)
         driver = m.runner.driver()
         fut = driver.submit(req, on_tokens=stream.on_tokens)
         if on_admitted is not None:
@@ -741,8 +745,10 @@ class ModelHub:
 class _Stream:
     """Follows one request's committed tokens: stop strings, text released for streaming, cancellation."""
 
-    def __init__(self, m: LoadedModel, params: GenerationParams, end: _EndNow, on_delta: DeltaCallback | None):
+    def __init__(self, m: LoadedModel, params: GenerationParams, end: _EndNow, on_delta: DeltaCallback | None,
+                 log: collections.deque, qos: str):
         self.m, self.params, self.end, self.on_delta = m, params, end, on_delta
+        self.log, self.qos = log, qos
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.sent_text = ""
@@ -756,6 +762,9 @@ class _Stream:
         return [t for t in ids if t not in eos]
 
     def on_tokens(self, req, new_tokens) -> None:
+        if req.finished:
+            self.log.append({"model": self.m.info.id, "qos": self.qos, "tokens": len(req.output_ids),
+                             "finish_reason": "cancelled" if self.end.flag.is_set() else req.finish_reason})
         if self.cut is not None:
             return
         k0 = len(self.tokens)
