@@ -40,7 +40,9 @@ from specstream.errors import (
     UnreadableSourceError,
 )
 
-MAX_LINE_BYTES = 1 << 20  # a manifest line longer than this is refused unparsed (Kafka's default message limit)
+MAX_LINE_BYTES = 1 << 20
+UNTRAINED_QA_NOTICE = ("note: answering with the built-in tiny VLM, whose weights are UNTRAINED: its answers are "
+                       "gibberish. Give --target (a LLaVA-family checkpoint) or --text-model for real answers")  # a manifest line longer than this is refused unparsed (Kafka's default message limit)
 
 
 class ResultsTimeoutError(SpecstreamError):
@@ -527,8 +529,9 @@ def hub_config_from_args(args) -> Any:
 
     target, drafts, name = args.target, tuple(args.draft), None
     if target is None and not args.text_model:
-        t, d = default_caption_models()
+        t, d = default_caption_models(quiet=True)
         target, drafts, name = str(t), drafts or (str(d),), "specstream-tiny-llava"
+        print(UNTRAINED_QA_NOTICE, file=sys.stderr)
     return HubConfig(vlm=target, vlm_drafts=drafts, vlm_name=name, text_model=args.text_model,
                      text_drafts=tuple(args.text_draft), speech_model=args.speech_model, clip_model=args.clip_model,
                      clip_pretrained=args.clip_pretrained, num_slots=args.num_slots, ngram=not args.no_ngram,

@@ -330,10 +330,11 @@ class QaStage:
         ranked = ctx.embeddings @ await self.hub.text_embedding(question)
         return lambda k: top_k_indices(ranked, k)
 
-    async def choose_frames(self, ctx: VideoContext, question: str, params: QaParams) -> list[int]:
+    async def choose_frames(self, ctx: VideoContext, question: str, params: QaParams, pick=None) -> list[int]:
         """Indices of the keyframes shown for ``question`` (time order): at most ``max_frames``, and for the VLM at
-        most ``max_visual_tokens`` visual tokens (the context is checked by :meth:`answer`)."""
-        pick = await self.frame_picker(ctx, question)
+        most ``max_visual_tokens`` visual tokens (the context is checked by :meth:`answer`). ``pick``: a
+        :meth:`frame_picker` already made for the question."""
+        pick = pick or await self.frame_picker(ctx, question)
         k = min(params.max_frames, len(ctx.keyframes))
         if params.answer_with == "vlm" and params.max_visual_tokens is not None:
             while k > 1:
@@ -357,7 +358,7 @@ class QaStage:
 
         kind = params.answer_with
         pick = await self.frame_picker(ctx, question)
-        chosen = await self.choose_frames(ctx, question, params)
+        chosen = await self.choose_frames(ctx, question, params, pick)
         context = await self.hub.context_length(kind=kind)
         lines: list[str] = []
         while True:  # fewer frames until the prompt without transcript leaves room for the answer

@@ -32,6 +32,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -306,7 +307,7 @@ class _Runner:
 
     def load(self) -> dict[str, int]:
         s = self.engine.scheduler
-        return {"running": len(s.running), "queued": len(getattr(s, "_queued", {})),
+        return {"running": len(s.running), "queued": len(s.waiting),
                 "free_slots": len(s.free_slots), "slots": s.config.num_slots}
 
 
@@ -440,11 +441,28 @@ class ModelHub:
 
         return TreeSpec.parse(self.config.tree)
 
+    def encode_seconds(self) -> float:
+        """Seconds spent in the VLM's vision encoder so far (for benchmarks' time shares)."""
+        m = self._models.get("vlm")
+        return getattr(m.captioner, "encode_s", 0.0) if m is not None else 0.0
+
     def _build_vlm(self) -> LoadedModel:
         from specstream.stages.caption import Captioner
 
+        class TimedCaptioner(Captioner):
+            """Counts the vision encoder's time (the engine runs it as the scheduler plans encode work)."""
+
+            encode_s = 0.0
+
+            def _encode(self, work) -> None:
+                t0 = time.perf_counter()
+                try:
+                    super()._encode(work)
+                finally:
+                    self.encode_s += time.perf_counter() - t0
+
         c = self.config
-        cap = Captioner(c.vlm, list(c.vlm_drafts), self._tree(), temporal=True, ngram=c.ngram, visual_aware=True,
+        cap = TimedCaptioner(c.vlm, list(c.vlm_drafts), self._tree(), temporal=True, ngram=c.ngram, visual_aware=True,
                         num_slots=c.num_slots, max_len=c.max_len, dtype=c.dtype, device=c.device)
         if self.metrics is not None:
             cap.engine.scheduler.metrics = self.metrics
