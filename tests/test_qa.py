@@ -339,3 +339,26 @@ def test_cli_bad_input_exit_code_and_summary(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "specstream", "qa", str(tmp_path / "nope.jsonl"), "--out",
                           str(out)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "error [unreadable_source]" in bad.stderr
+
+
+def test_progress_bar_counts_questions_with_a_total_and_eta(tmp_path, monkeypatch):
+    import io
+
+    from specstream.pipeline.qa_job import qa_main
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    manifest = write_manifest(tmp_path / "m.jsonl", [
+        {"id": "gone", "video": "missing.mp4", "questions": [{"id": "a", "text": "?"}, {"id": "b", "text": "!"}]}])
+    err = Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert qa_main([str(manifest), "--out", str(tmp_path / "a.jsonl")]) == 1
+    text = err.getvalue()
+    import re
+
+    assert "answering:   0%|          | 0/2 [00:00<?" in text  # the total; the time left once a question finished
+    assert re.search(r"answering: 100%\|##########\| 2/2 \[\d\d:\d\d<\d\d:\d\d, .*failed=2\]", text)
+    assert re.search(r"\n2 questions of 1 video: 0 answered, 2 failed, 0 already answered; [\d.]+ s "
+                     r"\([\d.]+ questions/min\), tau 0\.00\n$", text)
