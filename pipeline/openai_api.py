@@ -543,10 +543,12 @@ def openai_router(app_state) -> APIRouter:
     async def completions(request: Request):
         async def prompt_of(body: CompletionRequest, hub):
             p = body.prompt
+            if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+                return Prompt(ids=tuple(p)), _Media(settings)  # token ids, as they are
             if isinstance(p, list):
                 if len(p) != 1 or not isinstance(p[0], str):
-                    raise _param(UnsupportedParameterError("'prompt' must be one string (token-id prompts and "
-                                                           "batches are not supported)"), "prompt")
+                    raise _param(UnsupportedParameterError("'prompt' must be one string or one list of token ids "
+                                                           "(batches are not supported)"), "prompt")
                 p = p[0]
             return Prompt(text=p), _Media(settings)
 

@@ -122,15 +122,17 @@ class Turn:
 
 @dataclass(frozen=True)
 class Prompt:
-    """What to generate from: chat ``turns`` (rendered with the model's chat template, generation prompt appended)
-    or raw ``text`` (tokenized as it is, the tokenizer's own special tokens added). Exactly one."""
+    """What to generate from: chat ``turns`` (rendered with the model's chat template, generation prompt appended),
+    raw ``text`` (tokenized as it is, the tokenizer's own special tokens added), or token ``ids`` as they are.
+    Exactly one."""
 
     turns: tuple[Turn, ...] = ()
     text: str | None = None
+    ids: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if bool(self.turns) == (self.text is not None):
-            raise InvalidRequestError("a prompt is either chat turns or raw text")
+        if bool(self.turns) + (self.text is not None) + (self.ids is not None) != 1:
+            raise InvalidRequestError("a prompt is one of: chat turns, raw text, token ids")
 
     @property
     def images(self) -> list[np.ndarray]:
@@ -470,7 +472,12 @@ class ModelHub:
         context = _context_limit(cap.engine)
 
         def prepare(prompt: Prompt):
-            if prompt.text is not None:
+            if prompt.ids is not None:
+                from specstream.stages.speculative.models.vlm import PreparedImage
+
+                ids = [int(t) for t in prompt.ids]
+                prep = PreparedImage(ids, None, None, [], None, ids, 0)
+            elif prompt.text is not None:
                 prep = vlm.prepare_prompt(prompt.text, [])
             else:
                 conv = [{"role": t.role, "content": [{"type": "image"} if isinstance(p, np.ndarray)
@@ -533,6 +540,8 @@ class ModelHub:
         def prepare(prompt: Prompt):
             if prompt.images:
                 raise InvalidRequestError(f"model {c.name_of('text')!r} takes no images (text only)")
+            if prompt.ids is not None:
+                return [int(t) for t in prompt.ids], None, 0
             if prompt.text is not None:
                 return tok(prompt.text)["input_ids"], None, 0
             conv = [{"role": t.role, "content": "".join(t.parts)} for t in prompt.turns]

@@ -235,6 +235,10 @@ def test_completions_raw_prompt_and_legacy_logprobs(client, hf):
     assert "".join(lp.tokens) == c.text and len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert all(max(top.values()) == pytest.approx(v, abs=1e-4) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    ids = hf[1].tokenizer("Once upon a time")["input_ids"]  # the same prompt as token ids: the same answer
+    r2 = client.completions.create(model=VLM, prompt=ids, max_tokens=6, temperature=0,
+                                   extra_body={"return_token_ids": True})
+    assert r2.choices[0].model_extra["token_ids"] == want and r2.usage.prompt_tokens == len(ids) == n_prompt
 
 
 def test_transcriptions_in_each_format(client, media):
