@@ -40,7 +40,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specstream.errors import (
     CapacityError,
-    ContextLengthError,
     InvalidRequestError,
     MediaError,
     ModelNotLoadedError,
@@ -50,7 +49,8 @@ from specstream.errors import (
     UnsupportedParameterError,
 )
 
-DISCONNECT_POLL_S = 0.25  # how often a running request checks that its client is still there
+DISCONNECT_POLL_S = 0.25
+_WATCHERS: set[asyncio.Task] = set()  # how often a running request checks that its client is still there
 WHISPER_ALIAS = "whisper-1"  # OpenAI's transcription model name, accepted for the served Whisper model
 
 
@@ -512,8 +512,15 @@ def openai_router(app_state) -> APIRouter:
             if task.done() and task.exception() is not None:
                 raise task.exception()
             admitted = True
-            return StreamingResponse(_events(request, task, queue, rid, created, model, chat, logprobs,
-                                             stream_usage, body.return_token_ids, state, media),
+            # from here the generation owns the slot in flight and the media: released when it ends, however it
+            # ends (finished, cancelled by a client that went away, or never streamed because the client vanished
+            # before the response started)
+            task.add_done_callback(lambda _: (state.release(), media.close()))
+            watch = asyncio.create_task(_watch_client(request, task))
+            _WATCHERS.add(watch)  # a strong reference until it ends (the loop keeps only weak ones)
+            watch.add_done_callback(_WATCHERS.discard)
+            return StreamingResponse(_events(task, queue, rid, created, model, chat, logprobs, stream_usage,
+                                             body.return_token_ids),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finally:
             if not admitted:
@@ -606,14 +613,13 @@ def _legacy_logprobs(hub_model, gen) -> dict[str, Any]:
             "text_offset": offsets}
 
 
-async def _events(request: Request, task: asyncio.Task, queue: asyncio.Queue, rid: str, created: int, model,
-                  chat: bool, logprobs: bool, usage: bool, token_ids: bool, state: OpenAIState, media: _Media):
+async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: int, model, chat: bool,
+                  logprobs: bool, usage: bool, token_ids: bool):
     """The SSE stream of one request: a role chunk, a chunk per engine step that released text (or tokens with
     log-probabilities), the final chunk with ``finish_reason``, the usage chunk when asked, ``[DONE]``. When the
-    client goes away the generation is cancelled (``finally``)."""
+    client goes away (a send fails, or the watcher sees the disconnect) the generation is cancelled."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     mid = model.info.id
-    watch = asyncio.create_task(_watch_client(request, task))
 
     def chunk(choice: dict | None, extra: dict | None = None) -> str:
         body = {"id": rid, "object": obj, "created": created, "model": mid, "system_fingerprint": None,
@@ -668,11 +674,8 @@ async def _events(request: Request, task: asyncio.Task, queue: asyncio.Queue, ri
             yield chunk(None, {"usage": _usage(gen)})
         yield "data: [DONE]\n\n"
     finally:
-        watch.cancel()
         if not task.done():
             task.cancel()  # the client went away: the request ends at its next engine step
-        state.release()
-        media.close()
 
 
 # -- transcriptions -------------------------------------------------------------------------------------------------
