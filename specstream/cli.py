@@ -19,16 +19,43 @@ def _prompt_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+def _int_at_least(flag: str, low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="decode prompts with token-tree speculative decoding",
-                       description="Generate tokens with a target model verifying draft token trees (SpecInfer).")
-    p.add_argument("--target", required=True, help="target checkpoint: local dir or hub id")
-    p.add_argument("--draft", action="append", default=[], help="draft checkpoint (repeat to merge several)")
+    p = sub.add_parser(
+        "generate", help="decode prompts with token-tree speculative decoding",
+        description="Generate tokens with a target model verifying draft token trees (SpecInfer). Checkpoints "
+                    "(--target, --draft) are a .gguf file (converted once into the model cache), a checkpoint "
+                    "directory, a registered model name (`specstream models list`; fetched on first use) or a hub "
+                    "id. Without --target the built-in tiny model is used: its weights are UNTRAINED, so its "
+                    "text is gibberish. With --prompt and without --json the text streams to the terminal as it "
+                    "is committed.")
+    p.add_argument("--target", default=None,
+                   help="target: .gguf file, checkpoint dir, registered model name or hub id "
+                        "(default: the built-in tiny model, untrained)")
+    p.add_argument("--draft", action="append", default=[],
+                   help="draft, same forms as --target (repeat to merge several); it must share the target's "
+                        "tokenizer")
     p.add_argument("--ngram", action="store_true", help="add the n-gram (prompt lookup) drafter")
     p.add_argument("--prompt-ids", type=_prompt_list, help="comma-separated prompt token ids")
     p.add_argument("--prompt-ids-file", type=Path, help="JSONL file, one list of ids per line (one batch)")
     p.add_argument("--prompt", help="prompt text (needs a tokenizer in the target checkpoint)")
-    p.add_argument("--max-new-tokens", type=int, required=True)
+    p.add_argument("--chat", action="store_true",
+                   help="wrap --prompt in the checkpoint's chat template (one user turn, then the assistant's "
+                        "generation prompt)")
+    p.add_argument("--max-new-tokens", type=_int_at_least("--max-new-tokens", 1), default=128,
+                   help="tokens to generate at most per prompt (default 128)")
     p.add_argument("--mode", choices=["greedy", "sample"], default="greedy")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -40,57 +67,115 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-adaptive", action="store_true", help="always ask for the full tree")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--max-len", type=int, default=2048, help="context tokens per request slot")
-    p.add_argument("--num-slots", type=int, default=64, help="concurrent requests in the batch")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.add_argument("--max-len", type=_int_at_least("--max-len", 2), default=2048,
+                   help="context tokens per request slot")
+    p.add_argument("--num-slots", type=_int_at_least("--num-slots", 1), default=64,
+                   help="concurrent requests in the batch")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per prompt per line, at the end (stats.decode_s: decoding wall time)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars while fetching or converting")
     p.set_defaults(func=cmd_generate)
 
 
+def _read_prompt_ids_file(path: Path) -> list[list[int]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise InvalidRequestError(f"--prompt-ids-file: {exc}") from None
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                ids = json.loads(line)
+            except json.JSONDecodeError:
+                ids = None
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise InvalidRequestError(f"{path}:{n}: expected a JSON list of integers")
+            prompts.append(ids)
+    return prompts
+
+
 def cmd_generate(args) -> int:
+    import time
+
     from specstream.kernels.sampling import SamplingParams
     from specstream.stages.speculative.drafters.model import TreeSpec
     from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
 
+    # every check that needs no model runs before loading one
+    if args.chat and args.prompt is None:
+        print("error: --chat applies the chat template to --prompt TEXT; give --prompt", file=sys.stderr)
+        return EXIT_INPUT_ERROR
     prompts: list[list[int]] = []
     if args.prompt_ids:
         prompts.append(args.prompt_ids)
     if args.prompt_ids_file:
-        try:
-            lines = args.prompt_ids_file.read_text().splitlines()
-        except OSError as exc:
-            raise InvalidRequestError(f"--prompt-ids-file: {exc}") from None
-        for n, line in enumerate(lines, 1):
-            if line.strip():
-                try:
-                    ids = json.loads(line)
-                except json.JSONDecodeError:
-                    ids = None
-                if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                    raise InvalidRequestError(f"{args.prompt_ids_file}:{n}: expected a JSON list of integers")
-                prompts.append(ids)
+        prompts.extend(_read_prompt_ids_file(args.prompt_ids_file))
+    if not prompts and args.prompt is None:
+        print("error: give --prompt, --prompt-ids or --prompt-ids-file", file=sys.stderr)
+        return EXIT_INPUT_ERROR
     try:
         tree = TreeSpec.parse(args.tree)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
+    sampling = [SamplingParams(args.mode, args.temperature, args.top_k, args.top_p, args.seed + i)
+                for i in range(len(prompts) + (args.prompt is not None))]
+    target = args.target
+    if target is None:
+        from specstream.pipeline.defaults import default_caption_models
+
+        target = default_caption_models(quiet=True)[0]
+        print("note: no --target: using the built-in tiny model, whose weights are UNTRAINED (its text is "
+              "gibberish). Real weights: --target qwen2.5-coder-1.5b-instruct --draft qwen2.5-coder-0.5b-instruct",
+              file=sys.stderr)
     drafts = [] if args.no_speculation else list(args.draft)
     ngram = False if args.no_speculation else (args.ngram or not args.draft)
-    config = EngineConfig(num_slots=max(1, min(args.num_slots, max(1, len(prompts) or 1))), max_len=args.max_len,
-                          tree=tree, adaptive=not args.no_adaptive)
-    engine = SpeculativeEngine.from_checkpoints(args.target, drafts, ngram=ngram, config=config, dtype=args.dtype,
-                                                device=args.device)
+    n_requests = len(prompts) + (args.prompt is not None)
+    config = EngineConfig(num_slots=max(1, min(args.num_slots, n_requests)), max_len=args.max_len, tree=tree,
+                          adaptive=not args.no_adaptive)
+    show = False if args.no_progress else None
+    from specstream.stages.speculative.models.loader import resolve_checkpoint
+
+    target_ckpt = resolve_checkpoint(target, show_progress=show)
+    drafts = [resolve_checkpoint(d, show_progress=show).path for d in drafts]
+    engine = SpeculativeEngine.from_checkpoints(target_ckpt.path, drafts, ngram=ngram, config=config,
+                                                dtype=args.dtype, device=args.device)
+    text_request, detok = None, None
     if args.prompt is not None:
         if engine.tokenizer is None:
-            raise SpecstreamError(f"--prompt needs a tokenizer.json in {args.target}; use --prompt-ids instead")
-        prompts.insert(0, engine.tokenizer.encode(args.prompt).ids)
-    if not prompts:
-        raise InvalidRequestError("give --prompt-ids, --prompt-ids-file or --prompt")
-    reqs = []
-    for i, ids in enumerate(prompts):
-        sampling = SamplingParams(args.mode, args.temperature, args.top_k, args.top_p, args.seed + i)
-        reqs.append(engine.add_request(engine.make_request(ids, args.max_new_tokens, sampling,
-                                                           speculate=not args.no_speculation)))
-    engine.run()
+            raise SpecstreamError(f"--prompt needs a tokenizer.json in {target_ckpt.path}; use --prompt-ids instead")
+        if args.chat:
+            from specstream.modalities.text import chat_prompt_ids
+
+            ids = chat_prompt_ids(target_ckpt.path, args.prompt)
+        else:
+            ids = engine.tokenizer.encode(args.prompt).ids
+        prompts.insert(0, ids)
+    reqs = [engine.make_request(ids, args.max_new_tokens, sampling[i], speculate=not args.no_speculation)
+            for i, ids in enumerate(prompts)]
+    stream = args.prompt is not None and not args.json
+    for i, req in enumerate(reqs):
+        callback = None
+        if i == 0 and stream:
+            from specstream.modalities.text import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(engine.tokenizer)
+            text_request = req
+
+            def callback(_req, new_tokens, detok=detok):
+                delta = detok.push(new_tokens)  # only whole characters reach the terminal
+                if delta:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+
+        engine.add_request(req, on_tokens=callback)
+    finished_at: dict[str, float] = {}
+    t0 = time.perf_counter()
+    while engine.has_work():
+        for req in engine.step():
+            finished_at[req.request_id] = time.perf_counter() - t0
     for req in reqs:
+        decode_s = finished_at.get(req.request_id, time.perf_counter() - t0)
         record = {"tokens": req.output_ids, "finish_reason": req.finish_reason,
                   "stats": {k: v for k, v in req.stats.to_dict().items()
                             if k in ("target_steps", "accepted_per_step", "mean_accepted", "tau")}}
@@ -99,7 +184,16 @@ def cmd_generate(args) -> int:
         if engine.tokenizer is not None and args.prompt is not None:
             record["text"] = engine.decode_text(req.output_ids)
         if args.json:
+            record["stats"]["decode_s"] = round(decode_s, 6)
             print(json.dumps(record), flush=True)
+        elif req is text_request and detok is not None:
+            tail = detok.flush()
+            sys.stdout.write(tail + "\n")
+            sys.stdout.flush()
+            rate = len(req.output_ids) / decode_s if decode_s > 0 else 0.0
+            print(f"[{req.request_id}] {req.finish_reason} tokens={len(req.output_ids)} tau={req.stats.tau:.2f} "
+                  f"steps={req.stats.target_steps} decode_s={decode_s:.2f} ({rate:.2f} tokens/s)"
+                  + (f" error={req.error}" if req.error else ""), file=sys.stderr)
         else:
             text = record.get("text")
             print(f"[{req.request_id}] {req.finish_reason} tau={req.stats.tau:.2f} "
@@ -150,13 +244,19 @@ def cmd_caption(args) -> int:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (results go to docs/benchmarks.md)")
     bsub = p.add_subparsers(dest="bench", required=True)
-    spec = bsub.add_parser("spec", help="speculative decoding vs no speculation vs Hugging Face generate")
+    spec = bsub.add_parser("spec", help="speculative decoding vs no speculation vs Hugging Face generate "
+                                        "(--real: on the real Qwen2.5-Coder pair)")
     spec.add_argument("--target", help="target checkpoint (default: a built-in random mid-size pair)")
     spec.add_argument("--draft", action="append", default=[])
     spec.add_argument("--prompts", type=int, default=4)
-    spec.add_argument("--max-new-tokens", type=int, default=64)
+    spec.add_argument("--max-new-tokens", "--new-tokens", dest="max_new_tokens", type=_int_at_least("--new-tokens", 1),
+                      default=64, help="new tokens per request (default 64)")
     spec.add_argument("--out", type=Path, default=Path("docs/bench"), help="output dir for JSON and plots")
-    spec.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run)")
+    spec.add_argument("--quick", action="store_true",
+                      help="a smoke run (tiny shapes; with --real: one prompt, 4 new tokens, 2 profiled steps)")
+    from specstream.pipeline.bench_spec_real import add_arguments
+
+    add_arguments(spec)
     spec.set_defaults(func=lambda a: _bench_spec(a))
     for words, (help_text, _) in PASSTHROUGH.items():
         if words[0] == "bench":
@@ -164,6 +264,10 @@ def _add_bench(sub) -> None:
 
 
 def _bench_spec(args) -> int:
+    if args.real or args.table_from:
+        from specstream.pipeline.bench_spec_real import main as real_main
+
+        return real_main(args)
     from specstream.pipeline.bench_spec import main as bench_main
 
     return bench_main(args)

@@ -1,42 +1,49 @@
 """Streaming speech recognition: live subtitles from audio chunks (whisper_streaming's online processor, with
-Whisper's decoder in the speculative engine).
+Whisper's decoder in the speculative engine and Whisper's timestamp tokens for segments).
 
 One contract for every driver (a WebSocket session, a file replayed on a simulated clock, a benchmark):
 :meth:`StreamingRecognizer.insert_audio` (16 kHz mono float32, any chunk size), :meth:`~StreamingRecognizer.process`
 (one decoding pass when :meth:`~StreamingRecognizer.ready`) and :meth:`~StreamingRecognizer.finish`; each returns
 typed :class:`Subtitle` s. Only committed text leaves the stage as ``final``, once; the rest is ``partial``.
 
+Guarantees (tested):
+
+- **No lost audio.** Every sample that arrives is kept until a pass decoded it (the buffer grows as needed; the
+  server bounds it by backpressure, ``StreamConfig.max_backlog_s``); passes run in order whatever the backlog.
+  Audio leaves the buffer only when its text was committed, or when the VAD heard no speech in it, or when
+  Whisper's silence rule (no-speech probability > 0.6 **and** average log-probability < -1, faster-whisper's
+  rule) judged a whole ``max_buffer_s`` buffer silent.
+- **Passes at fixed audio positions.** Pass ``k`` decodes the buffer up to ``k * hop_s`` of audio (and the last one
+  up to the end of the stream), using only audio before that position (VAD frames included). So the finals depend
+  on the audio, not on how fast it arrived or how long passes took; drafts never change them (greedy verification
+  is lossless).
+- **Commit at a bound.** Complete segments are committed when the hypotheses of the last ``agree_span_s`` of audio
+  agree on them (LocalAgreement; with ``agree_span_s=0`` the previous hypothesis only: LocalAgreement-2), and in
+  any case: when no final was sent for ``max_final_gap_s`` of audio, what the last two hypotheses agree on (whole
+  segments; at span 0 whole words too); when the buffer reaches ``max_buffer_s``, every complete segment (or,
+  without one, everything); at the end of the stream, everything. Uncommitted text is never discarded; speech that
+  Whisper left unread after its last segment is read again from there.
+
 How a pass works:
 
-1. The audio lives in a :class:`RingBuffer` (16 kHz float32, absolute sample positions from stream start).
-   Silero VAD (:mod:`specstream.stages.vad`) labels every 32-ms frame as it arrives.
-2. A pass runs when at least ``hop = max(min_hop_s, last pass's wall time)`` of new audio arrived and the
-   buffer holds speech (the VAD gates the encoder: silence never reaches Whisper). The whole buffer (<= 30 s)
-   becomes one 30-s log-mel window; the encoder and the decoder run in the shared :class:`SpeechService`, as
-   ``realtime`` work of the engine's QoS scheduler (the encode is an ``audio`` encode item of the request).
-3. The decoder is drafted by the previous hypothesis (temporal drafter, merged with the n-gram drafter):
-   the window grew by ~0.5 s, so most tokens are verified rather than generated. Greedy verification keeps
-   the output identical to undrafted decoding.
-4. **LocalAgreement over a span of audio** commits the longest common prefix of this hypothesis and every
-   recent one back to the newest whose window ended ``agree_span_s`` earlier (LocalAgreement-2 when passes are
-   that far apart), after the text already committed in the buffer, cut back to a word boundary; when all of
-   them are complete and identical (speech ended), all of it is committed.
-5. Each window is conditioned on earlier committed text (``<|startofprev|>``). A buffer over ``trim_after_s``
-   is trimmed at a VAD pause: the audio up to the pause is decoded once more to split the hypothesis there
-   (:meth:`StreamingRecognizer._trim_at_pause`), so no uncommitted audio is dropped; after an utterance, once
-   everything is committed and the speaker paused, it is cleared.
+1. The audio lives in a :class:`RingBuffer` (absolute sample positions from stream start); Silero VAD
+   (:mod:`specstream.stages.vad`) labels every 32-ms frame as it arrives.
+2. The buffer ``[start, P)`` becomes one 30-s log-mel window (faster-whisper's feature-space padding), prompted
+   with earlier committed text (``<|startofprev|>``, whisper_streaming's context). The encoder and decoder run in
+   the shared :class:`SpeechService` as ``realtime`` work of the engine's QoS scheduler; Whisper writes timestamp
+   tokens (:class:`~specstream.stages.whisper_timing.ApplyTimestampRules`), so the hypothesis is a list of segments
+   with start and end times.
+3. The decoder is drafted by the previous hypothesis (temporal drafter, merged with the n-gram drafter).
+4. The commit policy above; a final's times come from the segments' timestamps, tightened to the VAD's speech
+   inside them (a final that ends inside a segment gets a time shared out in proportion to the characters; times
+   are clamped monotonic). One final per segment.
+5. When the buffer is longer than ``trim_after_s`` (keeping ``keep_s``), or the speaker paused with everything
+   committed, or Whisper stopped before the end of the speech, it is cut at the end of a committed segment (moved
+   into the nearest VAD pause); that text moves to the prompt history.
 
-Word times: Whisper runs without timestamps here, so a word's end time comes from when it first appeared:
-a token first seen in the pass over audio ``[.., hi]`` (and absent at the pass before, over ``[.., lo]``)
-ended in ``(lo, hi]``. When ``m`` tokens first appeared in that pass and the word's token is the ``k``-th, it
-ended where the VAD's speech frames inside ``(lo, hi]`` reach ``k / m`` of their duration (the end of the last
-speech there for the last of them). A final's start is the first VAD speech onset after the previous final's
-end. Times are seconds from stream start, clamped to be monotonic and inside the audio received.
-
-Hallucination guards: the VAD gate (and an RMS floor: digital silence and quiet noise are silence); Whisper's
-no-speech probability (``<|nocaptions|>`` after ``<|startoftranscript|>``) above ``no_speech_threshold`` empties
-the hypothesis; a repetition check (a token pattern repeated ``max_repeats`` times, or a gzip compression ratio
-above ``max_compression_ratio``) cuts the hypothesis before the loop and never commits past it.
+Hallucination guards: the VAD gate (and an RMS floor: digital silence and quiet noise are silence); the silence
+rule; a repetition check (a token pattern repeated ``max_repeats`` times, or a gzip compression ratio above
+``max_compression_ratio``) cuts the hypothesis before the loop.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import itertools
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -61,13 +68,12 @@ WINDOW_S = 30.0  # Whisper's window
 class RingBuffer:
     """16 kHz mono float32 samples of a stream, addressed by absolute sample index from stream start.
 
-    Holds samples ``[start, end)``; :meth:`trim` advances ``start``. The backing array is preallocated
-    (``capacity`` samples) and reused circularly; appending more than fits raises ``OverflowError`` (the
-    recognizer trims long before).
+    Holds samples ``[start, end)``; :meth:`trim` advances ``start``. The backing array is preallocated and reused
+    circularly; when an append does not fit, it grows (doubles): audio is never dropped to make room.
     """
 
     def __init__(self, capacity: int):
-        self._buf = np.zeros(capacity, dtype=np.float32)
+        self._buf = np.zeros(max(1, capacity), dtype=np.float32)
         self.start = 0  # absolute index of the oldest kept sample
         self.end = 0  # absolute index one past the newest sample
 
@@ -81,7 +87,15 @@ class RingBuffer:
     def append(self, samples: np.ndarray) -> None:
         n = len(samples)
         if len(self) + n > self.capacity:
-            raise OverflowError(f"ring buffer full ({self.capacity} samples)")
+            kept = self.view()
+            cap = self.capacity
+            while cap < len(kept) + n:
+                cap *= 2
+            self._buf = np.zeros(cap, dtype=np.float32)
+            i = self.start % cap
+            first = min(len(kept), cap - i)
+            self._buf[i:i + first] = kept[:first]
+            self._buf[:len(kept) - first] = kept[first:]
         i = self.end % self.capacity
         first = min(n, self.capacity - i)
         self._buf[i:i + first] = samples[:first]
@@ -99,8 +113,8 @@ class RingBuffer:
         if b <= a:
             return np.zeros(0, dtype=np.float32)
         i, j = a % self.capacity, b % self.capacity
-        if i < j or (b - a) == 0:
-            return self._buf[i:j].copy() if i < j else np.zeros(0, dtype=np.float32)
+        if i < j:
+            return self._buf[i:j].copy()
         return np.concatenate([self._buf[i:], self._buf[:j]])
 
 
@@ -112,10 +126,12 @@ class Subtitle:
     Attributes:
         kind: ``"final"`` (committed, sent once) or ``"partial"`` (the uncommitted rest; replaces the last one).
         text: the text ("" for a partial that clears the line).
-        start_s, end_s: seconds from stream start.
+        start_s, end_s: seconds from stream start (finals: from Whisper's timestamp tokens).
         emitted_s: the recognizer's clock when it was produced.
         latency_ms: finals only: ``emitted_s`` minus the clock time at which the audio at ``end_s`` arrived.
         tokens: the token ids of the text.
+        position_s: finals only: the audio position of the pass that committed it (``position_s - end_s`` is the
+            latency in audio, whatever the machine's speed).
     """
 
     kind: Literal["partial", "final"]
@@ -125,6 +141,7 @@ class Subtitle:
     emitted_s: float
     latency_ms: float | None = None
     tokens: tuple[int, ...] = ()
+    position_s: float | None = None
 
     def message(self) -> dict:
         """The WebSocket message (``docs/streaming.md``)."""
@@ -139,14 +156,16 @@ class PassRecord:
     """What one decoding pass did (for benchmarks and the lossless test).
 
     Attributes:
-        audio_start_s, audio_end_s: the window's audio (seconds from stream start).
-        tokens: the hypothesis (end-of-text excluded), after the guards.
+        audio_start_s, audio_end_s: the window's audio (seconds from stream start); ``audio_end_s`` is the pass's
+            fixed position.
+        tokens: the hypothesis (end-of-text excluded, timestamps included), after the guards.
         raw_tokens: the decoder's output before the guards.
         target_steps: target decoder forwards of the request; drafted: whether a previous hypothesis drafted it.
         encode_s, decode_s, wall_s: encoder batch time, decode time (submit to done, encode excluded), pass time.
-        no_speech_prob: Whisper's no-speech probability of the window.
+        no_speech_prob, avg_logprob: Whisper's silence measures of the window; silent: the silence rule held.
         window: the log-mel window ``[80, 3000]`` (only with ``StreamConfig.keep_windows``).
-        prompt: the earlier text the window was conditioned on (``<|startofprev|>`` tokens).
+        history: the earlier text the window was prompted with (``<|startofprev|>``).
+        prefix: the committed tokens forced after ``<|startoftranscript|>`` (``tokens`` starts with them).
     """
 
     audio_start_s: float
@@ -160,42 +179,53 @@ class PassRecord:
     wall_s: float
     no_speech_prob: float
     finish_reason: str | None
+    avg_logprob: float = 0.0
+    silent: bool = False
     window: np.ndarray | None = None
-    prompt: tuple[int, ...] = ()
+    history: tuple[int, ...] = ()
+    prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class StreamConfig:
-    """Knobs of :class:`StreamingRecognizer` (seconds unless said otherwise).
+    """Knobs of :class:`StreamingRecognizer` (seconds of audio unless said otherwise).
 
     Attributes:
-        min_hop_s: least new audio between passes (the hop is ``max(min_hop_s, last pass wall time)``).
-        agree_span_s: the commit policy compares the newest hypothesis with every hypothesis back to the newest
-            one whose window ended at least this much audio earlier (LocalAgreement-2 when passes are this far
-            apart; with faster passes, LocalAgreement-n over this span), so a word is committed only once
-            windows this much longer still read it the same way. 0: plain LocalAgreement-2.
-        trim_after_s: a buffer longer than this is trimmed at a VAD pause (see :meth:`StreamingRecognizer._trim_at_pause`).
-        keep_s: such a trim keeps at least this much audio (the context of the next windows).
-        max_buffer_s: a buffer longer than this is trimmed at any VAD pause, or committed and cleared when it has
-            none (Whisper sees <= 30 s).
-        prompt_chars: about this many characters of earlier committed text condition each window (``<|startofprev|>``).
+        hop_s: passes run at every multiple of this much audio.
+        agree_span_s: text is committed once the hypotheses of this much audio agree on it (LocalAgreement over
+            the span); 0: the previous hypothesis only (LocalAgreement-2, lowest latency).
+        max_final_gap_s: when speech is pending and no final was sent for this much audio (or ``agree_span_s +
+            hop_s`` when longer), the prefix the last two hypotheses agree on is committed (a bound on the time
+            between finals during continuous speech).
+        trim_after_s: a buffer longer than this is cut at the end of a committed segment ...
+        keep_s: ... that leaves at least this much audio (with its committed text, the context of what follows).
+        max_buffer_s: a buffer this long commits every complete segment (everything, without one) and is cut
+            (Whisper sees at most 30 s).
+        max_backlog_s: audio received but not yet decoded beyond which a driver should stop reading its source
+            (the server stops reading the socket: backpressure). The recognizer itself never drops audio.
+        prompt_chars: about this many characters of earlier committed text condition each window.
         max_new_tokens: tokens decoded per window at most.
-        no_speech_threshold: above this no-speech probability, the window's hypothesis is dropped.
+        language: language code of multilingual models.
+        no_speech_threshold, log_prob_threshold: the silence rule (faster-whisper's defaults).
         max_compression_ratio: gzip ratio of the hypothesis text above which it is treated as a loop.
         max_repeats: a token pattern (1..8 tokens) repeated this many times in a row is a loop.
-        utterance_pause_s: after this much silence with everything committed, the buffer is cleared.
+        utterance_pause_s: after this much silence with everything committed, the buffer is cut.
         speculate: draft with the previous hypothesis + n-gram (False: one token per decoder step).
         keep_windows: keep each pass's log-mel window in its :class:`PassRecord` (tests).
     """
 
-    min_hop_s: float = 0.5
-    agree_span_s: float = 2.5
-    trim_after_s: float = 15.0
-    keep_s: float = 6.0
-    max_buffer_s: float = 25.0
+    hop_s: float = 0.5
+    agree_span_s: float = 0.0
+    max_final_gap_s: float = 2.5
+    trim_after_s: float = 20.0
+    keep_s: float = 10.0
+    max_buffer_s: float = 28.0
+    max_backlog_s: float = 30.0
     prompt_chars: int = 200
     max_new_tokens: int = 160
-    no_speech_threshold: float = 0.6
+    language: str = "en"
+    no_speech_threshold: float | None = 0.6
+    log_prob_threshold: float | None = -1.0
     max_compression_ratio: float = 2.4
     max_repeats: int = 4
     utterance_pause_s: float = 0.6
@@ -204,10 +234,15 @@ class StreamConfig:
     vad: VadConfig = field(default_factory=VadConfig)
 
     def __post_init__(self):
-        if not self.min_hop_s > 0:
-            raise ValueError(f"min_hop_s must be > 0, got {self.min_hop_s}")
+        if not self.hop_s > 0:
+            raise ValueError(f"hop_s must be > 0, got {self.hop_s}")
         if not self.agree_span_s >= 0:
             raise ValueError(f"agree_span_s must be >= 0, got {self.agree_span_s}")
+        if not self.hop_s <= self.trim_after_s <= self.max_buffer_s <= WINDOW_S - self.hop_s:
+            raise ValueError(f"need hop_s <= trim_after_s <= max_buffer_s <= {WINDOW_S:g} - hop_s, got "
+                             f"{self.hop_s}, {self.trim_after_s}, {self.max_buffer_s}")
+        if not self.max_backlog_s > 0:
+            raise ValueError(f"max_backlog_s must be > 0, got {self.max_backlog_s}")
 
 
 @dataclass(frozen=True)
@@ -218,6 +253,7 @@ class WindowDecode:
     finish_reason: str | None
     target_steps: int
     no_speech_prob: float
+    avg_logprob: float
     encode_s: float
     decode_s: float
 
@@ -229,12 +265,14 @@ class SpeechService:
     Each window is one ``realtime`` request whose ``audio`` encode item the scheduler batches with other
     streams' windows; the executor's encoder hook runs the Hugging Face encoder on the batch, projects the
     encoder outputs into cross-attention keys/values once (``CrossKV`` of
-    :mod:`specstream.stages.speculative.models.whisper`, copied by the prefill and by the no-speech probe) and
-    computes the no-speech probability. An :class:`EngineDriver` steps the engine in a
-    worker thread, so the event loop stays free.
+    :mod:`specstream.stages.speculative.models.whisper`, copied by the prefill and by the probe) and probes the
+    no-speech probability. The engine returns each token's log-probability (``Request.logprobs``), from which the
+    window's average log-probability comes. An :class:`EngineDriver` steps the engine in a worker thread, so the
+    event loop stays free.
 
     Args:
-        model: a loaded :class:`~specstream.stages.speech.SpeechModel` (default: tiny.en).
+        model: a loaded :class:`~specstream.stages.speech.SpeechModel`, a name (``"tiny.en"``, ``"whisper-base"``)
+            or a checkpoint path (default: tiny.en).
         num_slots: concurrent windows in the engine (one per active stream is enough).
         metrics: :class:`~specstream.schedulers.metrics.SchedulerMetrics` to update, or None.
     """
@@ -246,7 +284,7 @@ class SpeechService:
         from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
         from specstream.stages.speech import SpeechModel
 
-        self.model = model if model is not None else SpeechModel.load()
+        self.model = model if isinstance(model, SpeechModel) else SpeechModel.load(model)
         sm = self.model
         self.temporal = TemporalDrafter()
         drafters = [self.temporal, NgramDrafter(max_ngram=3, max_branches=2, max_depth=8)]
@@ -262,7 +300,7 @@ class SpeechService:
                                                                            max_nodes_per_request=full),
                                         (sm.tokens.eot,), sm.tokenizer, scheduler=scheduler)
         self.engine.executor.encoders["audio"] = self._encode
-        self._windows: dict[str, np.ndarray] = {}  # encode item id -> log-mel window
+        self._windows: dict[str, tuple[np.ndarray, list[int]]] = {}  # item id -> (log-mel window, probe prefix)
         self._encoded: dict[str, tuple[float, float]] = {}  # request id -> (no-speech prob, encode seconds)
         self._ids = itertools.count()
         self._word_start: dict[int, bool] = {}
@@ -284,28 +322,33 @@ class SpeechService:
     def _encode(self, work) -> None:
         """Executor encoder hook (worker thread): one encoder batch for the work's audio windows."""
         t0 = time.perf_counter()
-        items = [(rid, self._windows.pop(item.item_id)) for rid, item in work.items]
-        enc = self.model.encode(np.stack([w for _, w in items]))
-        kvs = self.model.decoder.project(enc)  # once: the prefill and the no-speech probe copy them
+        items = [(rid, *self._windows.pop(item.item_id)) for rid, item in work.items]
+        enc = self.model.encode(np.stack([w for _, w, _ in items]))
+        kvs = self.model.decoder.project(enc)  # once: the prefill and the probe copy them
         ex = self.engine.executor
-        for (rid, _), kv in zip(items, kvs):
+        for (rid, _, _), kv in zip(items, kvs):
             ex.encoder_outputs[rid] = kv
-        probs = [self.model.no_speech_prob(kv) for kv in kvs]
+        probs = [self.model.no_speech_prob(kv, prefix) for (_, _, prefix), kv in zip(items, kvs)]
         dt = time.perf_counter() - t0
         self.encode_batches.append((len(items), dt))
-        for (rid, _), p in zip(items, probs):
+        for (rid, _, _), p in zip(items, probs):
             self._encoded[rid] = (p, dt)
 
     async def decode_window(self, window: np.ndarray, hypothesis: Sequence[int] | None = None,
-                            speculate: bool = True, max_new_tokens: int = 160,
-                            seconds: float = 30.0, previous_text: Sequence[int] = ()) -> WindowDecode:
-        """Encode and greedy-decode one log-mel window ``[80, 3000]`` as ``realtime`` work.
+                            speculate: bool = True, max_new_tokens: int = 160, seconds: float = 30.0,
+                            previous_text: Sequence[int] = (), language: str = "en",
+                            timestamps: bool = True, prefix: Sequence[int] = ()) -> WindowDecode:
+        """Encode and greedy-decode one log-mel window ``[n_mels, 3000]`` as ``realtime`` work.
 
         Args:
             hypothesis: the previous hypothesis of this stream (drafts; None for none).
             seconds: audio seconds in the window (the cost model's encode units).
             previous_text: token ids of text said before the window (committed earlier): the prompt becomes
                 ``<|startofprev|> previous_text <|startoftranscript|> ...`` (whisper_streaming's context).
+            timestamps: decode Whisper's timestamp tokens (segments).
+            prefix: tokens forced after the ``<|startoftranscript|>`` sequence (text already committed, with its
+                timestamps); the decoder continues after them and the result excludes them. The timestamp rules
+                count them as written (their history starts before the prefix).
 
         Raises:
             CapacityError: the realtime queue is full; SpecstreamError: decoding failed.
@@ -316,16 +359,16 @@ class SpeechService:
         if self.driver is None:
             await self.start()
         sm = self.model
-        prompt = sm.prompt()
-        if previous_text and sm.tokens.sot_prev is not None:
-            prompt = [sm.tokens.sot_prev, *previous_text] + prompt
+        head = sm.prompt(language, "transcribe", timestamps, previous_text)
+        prompt = head + [int(t) for t in prefix]
         rid = f"win-{next(self._ids)}"
         item = EncodeItem(f"{rid}/audio", "audio", float(seconds))
-        req = self.engine.make_request(prompt, min(max_new_tokens, sm.max_target_positions - len(prompt)),
-                                       request_id=rid, speculate=speculate, qos="realtime", encodes=(item,),
-                                       logits_processors=sm.logits_processors(len(prompt)),
+        limit = max(1, min(max_new_tokens, sm.max_target_positions - len(prompt)))
+        req = self.engine.make_request(prompt, limit, request_id=rid, speculate=speculate, qos="realtime",
+                                       encodes=(item,), logprobs=True,
+                                       logits_processors=sm.logits_processors(len(head), timestamps=timestamps),
                                        draft_hypothesis=tuple(hypothesis) if hypothesis and speculate else None)
-        self._windows[item.item_id] = window
+        self._windows[item.item_id] = (window, prompt[:prompt.index(sm.tokens.sot) + 1])
         t0 = time.perf_counter()
         try:
             done = await self.driver.submit(req)
@@ -336,7 +379,9 @@ class SpeechService:
         if done.error:
             raise SpecstreamError(f"decoding failed: {done.error}")
         toks = tuple(t for t in done.output_ids if t != sm.tokens.eot)
-        return WindowDecode(toks, done.finish_reason, done.stats.target_steps, nsp, enc_s, max(0.0, wall - enc_s))
+        avg = float(sum(done.output_logprobs)) / (len(toks) + 1)
+        return WindowDecode(toks, done.finish_reason, done.stats.target_steps, nsp, avg, enc_s,
+                            max(0.0, wall - enc_s))
 
     # -- token helpers --------------------------------------------------------------------------------------
     def starts_word(self, token: int) -> bool:
@@ -381,25 +426,43 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _carry_seen(prev: Sequence[int], prev_seen: Sequence[tuple[float, float]], hyp: Sequence[int],
-                now: tuple[float, float]) -> list[tuple[float, float]]:
-    """First-seen intervals of ``hyp``'s tokens: tokens matched (difflib) to the previous hypothesis keep their
-    interval; new ones get ``now`` (the previous pass's audio end, this pass's audio end)."""
-    import difflib
+@dataclass(frozen=True)
+class _Seg:
+    """A segment of a hypothesis: absolute times, closed by an end timestamp or not, its text tokens
+    ``[first, end)`` and the raw index just after it (after its end timestamp when closed)."""
 
-    seen = [now] * len(hyp)
-    if prev:
-        for b in difflib.SequenceMatcher(None, list(prev), list(hyp), autojunk=False).get_matching_blocks():
-            for k in range(b.size):
-                seen[b.b + k] = prev_seen[b.a + k]
-    for i in range(1, len(seen)):  # times never decrease along the text
-        seen[i] = (max(seen[i][0], seen[i - 1][0]), max(seen[i][1], seen[i - 1][1]))
-    return seen
+    start_s: float
+    end_s: float
+    complete: bool
+    first: int
+    end: int
+    raw_end: int
+
+
+@dataclass
+class _Hyp:
+    """One pass's hypothesis: the committed prefix + what the decoder wrote (``raw``, timestamps relative to the
+    window start), its text tokens, the raw index of each, and its segments."""
+
+    pos: int  # absolute sample position of the pass (the window's end)
+    start: int  # absolute sample position of the window's start
+    raw: list[int]
+    text: list[int]
+    raw_at: list[int]
+    segments: list[_Seg]
+    complete: bool  # ends with a closed segment (Whisper finished what it heard)
+
+    def seg_of(self, i: int) -> _Seg:
+        return next(s for s in self.segments if s.first <= i < s.end)
 
 
 # -- the recognizer ---------------------------------------------------------------------------------------------
 class StreamingRecognizer:
     """Live subtitles of one audio stream (see the module docstring).
+
+    The text committed in the current buffer is forced as a decoder prefix (with its timestamp tokens) after
+    ``<|startoftranscript|>``, so every hypothesis starts with exactly the committed tokens and the agreement
+    compares what follows; earlier text that left the buffer conditions the window as ``<|startofprev|>`` history.
 
     Args:
         service: the shared :class:`SpeechService`.
@@ -413,18 +476,18 @@ class StreamingRecognizer:
         self.config = config or StreamConfig()
         self.clock = clock
         self.vad = StreamingVad(self.config.vad)
-        # room for a minute of backlog when passes fall behind: audio is never dropped to make room
-        self.buffer = RingBuffer(int(max(60.0, self.config.max_buffer_s + 30.0) * SAMPLE_RATE))
-        self._history: list[int] = []  # committed tokens already trimmed from the buffer (the prompt)
+        self.buffer = RingBuffer(int((self.config.max_buffer_s + self.config.max_backlog_s) * SAMPLE_RATE))
+        self._hop = max(1, int(round(self.config.hop_s * SAMPLE_RATE)))
+        self._tb = service.model.tokens.timestamp_begin
+        self._eot = service.model.tokens.eot
+        self._next_pos = self._hop  # the next pass's fixed position (absolute sample)
+        self._last_pos = 0  # the last pass's position
+        self._history: list[int] = []  # committed text tokens already cut from the buffer (the prompt)
         self._arrivals: list[tuple[int, float]] = []  # (absolute sample end, clock at arrival)
-        self._committed: list[int] = []  # tokens committed since the buffer start
-        self._prev: list[int] | None = None  # previous hypothesis of the current buffer
-        self._prev_complete = False
-        self._seen: list[tuple[float, float]] = []  # per token of _prev: (lo, hi) first-seen interval
-        # recent hypotheses of the current buffer, oldest first: (window end s, tokens, complete); the last is _prev
-        self._hyps: list[tuple[float, list[int], bool]] = []
-        self._last_pass_end_s = 0.0
-        self._hop_s = self.config.min_hop_s
+        self._prefix: list[int] = []  # committed tokens of the buffer, timestamps relative to its start
+        self._committed: list[int] = []  # their text tokens
+        self._hyps: list[_Hyp] = []  # recent hypotheses of the current buffer, oldest first
+        self._last_commit_pos = 0  # position of the last pass that committed, or since when nothing waits
         self._last_end_s = 0.0  # end of the last final
         self._partial = ""
         self.passes: list[PassRecord] = []
@@ -437,109 +500,155 @@ class StreamingRecognizer:
         return self.buffer.end / SAMPLE_RATE
 
     @property
+    def decoded_until_s(self) -> float:
+        """Audio position of the last pass (every sample before it went through a pass or the VAD gate)."""
+        return self._last_pos / SAMPLE_RATE
+
+    @property
     def backlog_s(self) -> float:
-        """Seconds of received audio that no pass has decoded yet (grows without bound when RTF > 1)."""
-        return self.audio_end_s - self._last_pass_end_s
+        """Seconds of received audio that no pass has reached yet (grows when the recognizer falls behind)."""
+        return self.audio_end_s - self.decoded_until_s
 
     def insert_audio(self, samples: np.ndarray, arrived_at: float | None = None) -> None:
-        """Append 16 kHz mono float32 ``samples`` ``[n]``; the VAD labels them at once.
+        """Append 16 kHz mono float32 ``samples`` ``[n]``; the VAD labels them at once. Never drops audio.
 
         ``arrived_at``: the clock time the samples arrived (default: now); finals' ``latency_ms`` count from
         it (a benchmark passes the scheduled arrival, so time spent before the insert counts too).
 
         Raises:
-            RuntimeError: after :meth:`finish`.
+            RuntimeError: after :meth:`finish`; ValueError: non-finite samples (nothing is inserted).
         """
         if self.finished:
             raise RuntimeError("stream finished")
         x = np.asarray(samples, dtype=np.float32).reshape(-1)
         if not len(x):
             return
-        if len(self.buffer) + len(x) > self.buffer.capacity:
-            self._force_trim(len(self.buffer) + len(x) - self.buffer.capacity)
+        if not np.isfinite(x).all():
+            raise ValueError("audio samples must be finite (NaN or Inf found)")
         self.buffer.append(x)
         self._arrivals.append((self.buffer.end, self.clock() if arrived_at is None else float(arrived_at)))
         self.vad.accept(x)
 
     def ready(self) -> bool:
-        """A pass is due: ``hop`` seconds of new audio since the last pass."""
-        return self.audio_end_s - self._last_pass_end_s >= self._hop_s - 1e-9
+        """A pass is due: the audio reached the next fixed position."""
+        return not self.finished and self.buffer.end >= self._next_pos
 
     async def process(self) -> list[Subtitle]:
-        """One pass over the buffer (when :meth:`ready`; a no-op otherwise). Returns new subtitles."""
-        if not self.ready() or self.finished:
+        """One pass at the next fixed position (when :meth:`ready`; a no-op otherwise). Returns new subtitles."""
+        if not self.ready():
             return []
-        return await self._pass(final=False)
+        pos = self._next_pos
+        self._next_pos += self._hop
+        return await self._pass(pos, final=False)
 
     async def finish(self) -> list[Subtitle]:
-        """End of stream: decode what is left and commit all of it. Returns the last subtitles."""
+        """End of stream: run the passes still due, then decode what is left and commit all of it."""
         if self.finished:
             return []
         out: list[Subtitle] = []
-        while len(self.buffer) > int(WINDOW_S * SAMPLE_RATE):  # a backlog longer than one window
-            before = self.buffer.start
-            out.extend(await self._trim_at_pause(self.buffer.start / SAMPLE_RATE + WINDOW_S, force=True))
-            if self.buffer.start == before:
-                break
-        out.extend(await self._pass(final=True))
+        while self.ready():
+            out.extend(await self.process())
+        if self.buffer.end > self._last_pos or self._pending():
+            out.extend(await self._pass(self.buffer.end, final=True))
         self.finished = True
+        if self._partial:
+            out.append(self._emit_partial(""))
         return out
 
     # -- a pass ------------------------------------------------------------------------------------------------
-    async def _pass(self, final: bool) -> list[Subtitle]:
+    def _pending(self) -> bool:
+        return bool(self._hyps) and len(self._hyps[-1].text) > len(self._committed)
+
+    async def _pass(self, pos: int, final: bool) -> list[Subtitle]:
         t0 = time.perf_counter()
-        cfg = self.config
         out: list[Subtitle] = []
-        lo_s = self._last_pass_end_s
-        if len(self.buffer) > int(cfg.trim_after_s * SAMPLE_RATE) and self._prev is not None:
-            out.extend(await self._trim_at_pause(min(lo_s, self.audio_end_s - cfg.keep_s)))
-        if len(self.buffer) > int(cfg.max_buffer_s * SAMPLE_RATE):
-            out.extend(await self._trim_at_pause(self.audio_end_s - 1.0, force=True))
-        # a pass sees at most one 30-s window; when passes fell behind, the rest waits for the next pass
-        end = min(self.buffer.end, self.buffer.start + int(WINDOW_S * SAMPLE_RATE))
-        end_s = end / SAMPLE_RATE
-        start_s = self.buffer.start / SAMPLE_RATE
-        self._last_pass_end_s = end_s
-        # the VAD gate: no speech in the buffer -> no encoder, nothing to say
-        if not self.vad.has_speech(start_s, end_s):
+        prev_pos, self._last_pos = self._last_pos, pos
+        start = self.buffer.start
+        n_passes = len(self.passes)
+        if not self._speech(start, pos):  # the VAD gate: no speech in the buffer, nothing to decode
+            if self._pending():  # text Whisper heard where the VAD did not: committed, never dropped
+                out.extend(self._commit(self._hyps[-1], True))
             if self._partial:
                 out.append(self._emit_partial(""))
-            self._reset_buffer(max(self.buffer.start, end - SAMPLE_RATE // 2))
-            self._hop_s = cfg.min_hop_s
+            self._reset_buffer(max(start, pos - SAMPLE_RATE // 2))
             return out
-        pending = self._prev is not None and len(self._prev) > len(self._committed)
-        if not final and not pending and self._prev is not None \
-                and not self.vad.has_speech(lo_s, end_s):
-            # nothing new was said and nothing waits for agreement
-            self._maybe_end_utterance(end_s)
-            self._hop_s = cfg.min_hop_s
+        if not final and not self._pending() and self._hyps and not self._speech(prev_pos, pos) \
+                and not self._unread(self._hyps[-1], pos):
+            self._maybe_end_utterance(pos)  # nothing new was said, nothing waits, all speech was read
             return out
-        hyp, complete = await self._decode(self.buffer.start, end)
-        out.extend(self._agree(hyp, complete, lo_s, end_s, final))
-        wall = time.perf_counter() - t0
-        last = self.passes[-1]
-        self.passes[-1] = PassRecord(**{**last.__dict__, "wall_s": wall})
-        self._hop_s = max(cfg.min_hop_s, wall)
-        if not final:
-            self._maybe_end_utterance(end_s)
+        hyp = await self._decode(start, pos)
+        out.extend(self._commit(hyp, final))
+        if final:
+            out.extend(await self._finish_rest(hyp))
+        else:
+            out.extend(self._trim(hyp, pos))
+        if len(self.passes) > n_passes:
+            self.passes[n_passes] = replace(self.passes[n_passes], wall_s=time.perf_counter() - t0)
         return out
 
-    async def _decode(self, a: int, b: int) -> tuple[list[int], bool]:
-        """Decode the buffer's samples ``[a, b)`` (conditioned on the earlier committed text, drafted by the
-        previous hypothesis); records a :class:`PassRecord`. Returns the guarded hypothesis, complete."""
+    async def _finish_rest(self, hyp: _Hyp) -> list[Subtitle]:
+        """After the final pass committed its hypothesis: when speech follows the last closed segment but
+        Whisper did not read it (its long-form decoding can stop early), cut there and decode the rest."""
+        out: list[Subtitle] = []
+        end = self.buffer.end
+        for _ in range(8):
+            done = [s for s in hyp.segments if s.complete]
+            if not done or not self._unread(hyp, end):
+                break
+            cut = self._snap(int(round(done[-1].end_s * SAMPLE_RATE)), end)
+            if cut <= self.buffer.start:
+                break
+            self._cut(cut, hyp, done[-1])
+            hyp = await self._decode(self.buffer.start, end)
+            out.extend(self._commit(hyp, True))
+        return out
+
+    async def _decode(self, a: int, b: int) -> _Hyp:
+        """Decode the buffer's samples ``[a, b)`` (prompted with earlier text, forced to start with the committed
+        prefix, drafted by the previous hypothesis); records a :class:`PassRecord`; returns the hypothesis."""
+        from specstream.stages.speech import no_speech
+        from specstream.stages.whisper_timing import split_timestamped
+
         cfg = self.config
+        sm = self.service.model
         audio = self.buffer.view(a, b)
-        window, _ = mel_window(log_mel(audio, self.service.model.num_mel_bins), 0)
-        prompt = self._prompt_tokens()
-        dec = await self.service.decode_window(window, self._prev if cfg.speculate else None,
-                                               speculate=cfg.speculate, max_new_tokens=cfg.max_new_tokens,
-                                               seconds=len(audio) / SAMPLE_RATE, previous_text=prompt)
-        hyp, complete = self._guard(dec)
-        self.passes.append(PassRecord(a / SAMPLE_RATE, b / SAMPLE_RATE, tuple(hyp), dec.tokens, dec.target_steps,
-                                      bool(self._prev) and cfg.speculate, dec.encode_s, dec.decode_s,
-                                      0.0, dec.no_speech_prob, dec.finish_reason,
-                                      window if cfg.keep_windows else None, tuple(prompt)))
-        return hyp, complete
+        window, frames = mel_window(log_mel(audio, sm.num_mel_bins), 0)
+        history = self._prompt_tokens()
+        prev = self._hyps[-1] if self._hyps else None
+        draft = prev.raw[len(self._prefix):] if (prev is not None and cfg.speculate and prev.start == a
+                                                 and prev.raw[:len(self._prefix)] == self._prefix) else None
+        dec = await self.service.decode_window(window, draft, speculate=cfg.speculate,
+                                               max_new_tokens=cfg.max_new_tokens, seconds=len(audio) / SAMPLE_RATE,
+                                               previous_text=history, language=cfg.language, prefix=self._prefix)
+        silent = no_speech(dec.no_speech_prob, dec.avg_logprob, cfg.no_speech_threshold, cfg.log_prob_threshold)
+        gen = [] if silent else list(dec.tokens)
+        loop = repetition_cut(gen, cfg.max_repeats)
+        if loop is not None:
+            gen = gen[:loop]
+        if compression_ratio(self.service.text(gen)) > cfg.max_compression_ratio:
+            gen, loop = [], 0
+        raw = self._prefix + gen
+        split = split_timestamped(raw, self._tb, a / SAMPLE_RATE, frames)
+        text: list[int] = []
+        raw_at: list[int] = []
+        segments: list[_Seg] = []
+        r = 0
+        for s in split.segments + ([split.tail] if split.tail is not None else []):
+            first = len(text)
+            for t in s.tokens:
+                if t < self._eot:
+                    text.append(t)
+                    raw_at.append(r)
+                r += 1
+            if len(text) > first:  # a segment without text (a lone timestamp) carries nothing
+                segments.append(_Seg(s.start_s, min(s.end_s, b / SAMPLE_RATE), s.complete, first, len(text), r))
+        complete = loop is None and dec.finish_reason == "eos" and (not segments or segments[-1].complete)
+        hyp = _Hyp(b, a, raw, text, raw_at, segments, complete)
+        self.passes.append(PassRecord(a / SAMPLE_RATE, b / SAMPLE_RATE, tuple(raw), dec.tokens, dec.target_steps,
+                                      draft is not None, dec.encode_s, dec.decode_s, 0.0, dec.no_speech_prob,
+                                      dec.finish_reason, round(dec.avg_logprob, 4), silent,
+                                      window if cfg.keep_windows else None, tuple(history), tuple(self._prefix)))
+        return hyp
 
     def _prompt_tokens(self) -> list[int]:
         """The last ~``prompt_chars`` characters of committed text that left the buffer, whole words."""
@@ -550,135 +659,153 @@ class StreamingRecognizer:
             i += 1
         return h[i:]
 
-    def _guard(self, dec: WindowDecode) -> tuple[list[int], bool]:
-        """(hypothesis after the hallucination guards, whether it is complete and trustworthy)."""
-        cfg = self.config
-        toks = list(dec.tokens)
-        complete = dec.finish_reason == "eos"
-        if dec.no_speech_prob > cfg.no_speech_threshold:
-            return [], True
-        cut = repetition_cut(toks, cfg.max_repeats)
-        if cut is not None:
-            toks, complete = toks[:cut], False
-        if compression_ratio(self.service.text(toks)) > cfg.max_compression_ratio:
-            return [], False
-        return toks, complete
+    # -- VAD queries (frames wholly before a pass position: what the pass may know) ---------------------------
+    def _frames(self, a: int, b: int) -> tuple[int, int]:
+        return max(0, a // FRAME), min(self.vad.frames, b // FRAME)
 
-    def _align(self, hyp: list[int]) -> int | None:
-        """Index in ``hyp`` just after the text already committed in this buffer, or None when it cannot be
-        aligned. Whisper may re-spell committed words in a longer window ("roundfark" -> "round fox"): the
-        committed tokens are matched to ``hyp`` (difflib), and the end of the last match near the committed
-        end is carried to the next word boundary of ``hyp``."""
-        import difflib
+    def _speech(self, a: int, b: int) -> bool:
+        fa, fb = self._frames(a, b)
+        return any(self.vad.speech[fa:fb])
 
-        c = self._committed
-        if not c:
-            return 0
-        if hyp[:len(c)] == c:
-            return len(c)
-        blocks = [b for b in difflib.SequenceMatcher(None, c, hyp, autojunk=False).get_matching_blocks() if b.size]
-        if not blocks:
-            return None
-        last = blocks[-1]
-        a_end, b_end = last.a + last.size, last.b + last.size
-        if len(c) - a_end > 4:  # the committed text's end is nowhere in hyp
-            return None
-        j = min(len(hyp), b_end + (len(c) - a_end))
-        while j < len(hyp) and not self.service.starts_word(hyp[j]):
-            j += 1
+    def _last_speech_end(self, a: int, b: int) -> int | None:
+        fa, fb = self._frames(a, b)
+        for i in range(fb - 1, fa - 1, -1):
+            if self.vad.speech[i]:
+                return (i + 1) * FRAME
+        return None
+
+    # -- committing --------------------------------------------------------------------------------------------
+    def _word_floor(self, text: list[int], a: int, j: int) -> int:
+        """``j`` moved back to a word start (the last word may still grow), not below ``a``."""
+        while j > a and not (j < len(text) and self.service.starts_word(text[j])):
+            j -= 1
         return j
 
-    def _agree(self, hyp: list[int], complete: bool, lo_s: float, end_s: float, final: bool) -> list[Subtitle]:
-        """The commit policy; returns the final and/or partial.
-
-        LocalAgreement over a span of audio: ``hyp`` is compared with every recent hypothesis back to the newest
-        one whose window ended at least ``agree_span_s`` earlier (with passes that far apart: the previous one,
-        i.e. LocalAgreement-2). The longest prefix (after the committed text) all of them agree on is committed,
-        cut back to a word boundary; when all of them are complete and identical (speech ended), all of it.
-        With 0.5-s hops plain LocalAgreement-2 committed tiny.en's first readings of a sentence, which windows
-        a second or two longer correct."""
+    def _commit(self, hyp: _Hyp, final: bool) -> list[Subtitle]:
+        """The commit policy (module docstring); returns the final and/or partial."""
+        cfg = self.config
         out: list[Subtitle] = []
-        prev, prev_seen = self._prev, self._seen
-        seen = _carry_seen(prev or [], prev_seen, hyp, (lo_s, end_s))
-        a = self._align(hyp)
-        commit_to = None  # index in hyp up to which the text is committed
-        if a is not None:
-            if final:
-                commit_to = len(hyp)
-            else:
-                refs = self._agreement_refs(end_s)
-                aligned = [(h, self._align(h), c) for h, c in refs]
-                if refs and all(pa is not None for _, pa, _ in aligned):
-                    new = hyp[a:]
-                    agree = min(_lcp(new, h[pa:]) for h, pa, _ in aligned)
-                    if complete and all(c and agree == len(new) == len(h) - pa for h, pa, c in aligned):
-                        commit_to = len(hyp)
-                    else:
-                        j = agree  # back to a word start (the last word may still grow)
-                        while j > 0 and not (j < len(new) and self.service.starts_word(new[j])):
-                            j -= 1
-                        commit_to = a + j
-            if commit_to is not None and commit_to > a:
-                out.append(self._emit_final(hyp[a:commit_to], seen[a:commit_to], end_s, seen[commit_to:]))
-                self._committed = list(hyp[:commit_to])
-            elif commit_to is None:
-                commit_to = a
-        self._prev, self._seen, self._prev_complete = list(hyp), seen, complete
-        self._remember(end_s, hyp, complete)
-        rest = hyp[commit_to:] if commit_to is not None else []
+        a = len(self._committed)
+        width = int(round(max(cfg.agree_span_s, cfg.hop_s) * SAMPLE_RATE))
+        refs = [h for h in self._hyps if h is not hyp and h.pos >= hyp.pos - width - FRAME
+                and h.text[:a] == self._committed]
+        covered = any(h.pos <= hyp.pos - width + FRAME for h in refs)  # the span is wholly behind this pass
+        if hyp not in self._hyps:
+            self._hyps.append(hyp)
+        self._hyps = [h for h in self._hyps if h.pos >= hyp.pos - width - self._hop - FRAME]
+        new = hyp.text[a:]
+        to = None
+        if final:
+            to = len(hyp.text)
+        elif refs and covered:
+            agree = min(_lcp(new, r.text[a:]) for r in refs)
+            if agree == len(new) and hyp.complete and all(r.complete and len(r.text) == len(hyp.text) for r in refs):
+                to = len(hyp.text)  # speech ended: everything, identical over the span
+            else:  # whole closed segments only, and not the last while speech goes on after it: a sentence
+                # reads best once Whisper heard it to its end and the start of the next (as the offline windows do)
+                ends = [s.end for i, s in enumerate(hyp.segments) if s.complete and a < s.end <= a + agree
+                        and (i + 1 < len(hyp.segments) or hyp.complete)]
+                to = max(ends) if ends else None
+        deadline = max(cfg.max_final_gap_s, cfg.agree_span_s + cfg.hop_s)  # never undercuts the span
+        if (to is None or to <= a) and new and refs \
+                and hyp.pos - self._last_commit_pos >= deadline * SAMPLE_RATE - FRAME:
+            last = max(refs, key=lambda h: h.pos)  # the deadline: what the last two hypotheses agree on,
+            agree = _lcp(new, last.text[a:])  # whole closed segments of it if any, else whole words
+            ends = [s.end for s in hyp.segments if s.complete and a < s.end <= a + agree]
+            if ends:
+                to = max(ends)
+            elif cfg.agree_span_s == 0:  # whole words only at the lowest-latency setting
+                to = self._word_floor(hyp.text, a, a + agree)
+        if to is not None and to > a:
+            out.extend(self._emit_finals(hyp, a, to))
+            self._set_prefix(hyp, to)
+            self._last_commit_pos = hyp.pos
+        if len(hyp.text) <= len(self._committed):
+            self._last_commit_pos = hyp.pos
+        rest = hyp.text[len(self._committed):]
         text = self.service.text(rest) if rest else ""
         if text != self._partial:
             out.append(self._emit_partial(text))
         return out
 
-    def _agreement_refs(self, end_s: float) -> list[tuple[list[int], bool]]:
-        """The hypotheses a new one at ``end_s`` must agree with: all from the newest one whose window ended at
-        least ``agree_span_s`` before ``end_s`` on (empty: none is old enough, nothing is committed yet)."""
-        span = self.config.agree_span_s
-        old = [i for i, (e, _, _) in enumerate(self._hyps) if e <= end_s - span + 1e-6]
-        if not old:
-            return []
-        return [(h, c) for _, h, c in self._hyps[old[-1]:]]
+    def _set_prefix(self, hyp: _Hyp, to: int) -> None:
+        """The committed prefix becomes ``hyp``'s raw tokens through text token ``to - 1`` (and the segment's end
+        timestamp when ``to`` closes a segment)."""
+        seg = hyp.seg_of(to - 1)
+        end = seg.raw_end if (to == seg.end and seg.complete) else hyp.raw_at[to - 1] + 1
+        self._prefix = list(hyp.raw[:end])
+        self._committed = list(hyp.text[:to])
 
-    def _remember(self, end_s: float, hyp: list[int], complete: bool) -> None:
-        """Append a hypothesis to the recent ones; drop those no later pass compares with."""
-        self._hyps.append((end_s, list(hyp), complete))
-        span = self.config.agree_span_s
-        old = [i for i, (e, _, _) in enumerate(self._hyps) if e <= end_s - span + 1e-6]
-        if old:
-            del self._hyps[:old[-1]]
+    def _force(self, hyp: _Hyp) -> list[Subtitle]:
+        """The buffer reached ``max_buffer_s``: commit every closed segment (everything without one)."""
+        a = len(self._committed)
+        done = [s for s in hyp.segments if s.complete]
+        to = done[-1].end if done else len(hyp.text)
+        if to <= a:
+            return []
+        out = self._emit_finals(hyp, a, to)
+        self._set_prefix(hyp, to)
+        self._last_commit_pos = hyp.pos
+        return out
 
     # -- emitting ------------------------------------------------------------------------------------------------
-    def _emit_final(self, tokens: list[int], seen: list[tuple[float, float]], end_s: float,
-                    rest_seen: Sequence[tuple[float, float]] = ()) -> Subtitle:
-        """A final for ``tokens`` (first-seen intervals ``seen``); ``rest_seen``: the intervals of the hypothesis
-        tokens after it (not committed).
+    def _bounds(self, hyp: _Hyp, seg: _Seg) -> tuple[float, float]:
+        """A segment's times, tightened by the VAD: Whisper often starts a segment at the end of the pause before
+        it (``<|0.00|>`` at the window start); the speech in it starts at the first VAD speech frame and ends at the
+        last one (up to 0.3 s past its end timestamp, not into the next segment). An unfinished segment ends where
+        the VAD last heard speech before the pass position."""
+        s0, s1 = seg.start_s, seg.end_s
+        nxt = next((x.start_s for x in hyp.segments if x.first >= seg.end), None)
+        limit = hyp.pos if not seg.complete else int(round(min(s1 + 0.3, nxt if nxt is not None else 1e9)
+                                                           * SAMPLE_RATE))
+        limit = min(limit, hyp.pos)
+        fa, fb = self._frames(int(s0 * SAMPLE_RATE), limit)
+        onset = next((i for i in range(fa, fb) if self.vad.speech[i]), None)
+        if onset is None:
+            return s0, (s1 if seg.complete else hyp.pos / SAMPLE_RATE)
+        last = max(i for i in range(onset, fb) if self.vad.speech[i])
+        return max(s0, onset * FRAME / SAMPLE_RATE), (last + 1) * FRAME / SAMPLE_RATE
 
-        The end time: the last token first appeared in a pass over ``(lo, hi]``, together with ``k`` - 1 tokens
-        before it in this final and ``m`` - ``k`` after it. Words take speech time, so it ended where the
-        speech inside ``(lo, hi]`` (VAD frames) reaches the fraction ``k / m``: the end of the last speech
-        there when nothing after it was first seen in that pass. (Taking the first VAD pause in the interval put
-        the end of a whole utterance decoded in one pass at its first pause.)"""
-        lo, hi = seen[-1]
-        k = sum(1 for x in seen if x == (lo, hi))
-        m = k + sum(1 for x in rest_seen if x == (lo, hi))
-        t_end = self._speech_time_at(lo, hi, k / m)
-        onset = self._speech_onset(self._last_end_s, end_s)
-        start = max(self._last_end_s, onset if onset is not None else self._last_end_s)
-        t_end = max(start, min(end_s, t_end))  # monotonic first (ends are coarse upper bounds)
+    def _time_at(self, hyp: _Hyp, i: int, end: bool) -> float:
+        """Audio time of text index ``i`` of ``hyp`` (its start, or with ``end`` the end of token ``i - 1``), from
+        its segment's timestamps (tightened by the VAD); inside a segment, shared out in proportion to the
+        characters."""
+        seg = hyp.seg_of(min(len(hyp.text) - 1, i - 1 if end else i))
+        s0, s1 = self._bounds(hyp, seg)
+        if end and i >= seg.end:
+            return s1
+        if not end and i <= seg.first:
+            return s0
+        whole = len(self.service.text(hyp.text[seg.first:seg.end])) or 1
+        part = len(self.service.text(hyp.text[seg.first:i]))
+        return s0 + (s1 - s0) * min(1.0, part / whole)
+
+    def _emit_finals(self, hyp: _Hyp, a: int, b: int) -> list[Subtitle]:
+        """Finals for text tokens ``[a, b)`` of ``hyp``: one per segment they touch (a subtitle per segment)."""
+        cuts = sorted({a, b} | {s.end for s in hyp.segments if a < s.end < b})
+        return [self._emit_final(hyp, x, y) for x, y in zip(cuts, cuts[1:])]
+
+    def _emit_final(self, hyp: _Hyp, a: int, b: int) -> Subtitle:
+        """A final for text tokens ``[a, b)`` of ``hyp``."""
+        start = max(self._last_end_s, self._time_at(hyp, a, False))
+        fa, fb = self._frames(int(self._last_end_s * SAMPLE_RATE), int(start * SAMPLE_RATE))
+        onset = next((i for i in range(fa, fb) if self.vad.speech[i]), None)
+        if onset is not None:  # speech between the last final and this one is this one's (text comes in order)
+            start = max(self._last_end_s, onset * FRAME / SAMPLE_RATE)
+        end = max(start, min(hyp.pos / SAMPLE_RATE, self._time_at(hyp, b, True)))
+        tokens = hyp.text[a:b]
         now = self.clock()
-        sub = Subtitle("final", self.service.text(tokens), round(start, 3), round(t_end, 3), now,
-                       (now - self._arrival_clock(t_end)) * 1000.0, tuple(tokens))
-        self._last_end_s = t_end
+        sub = Subtitle("final", self.service.text(tokens), round(start, 3), round(end, 3), now,
+                       (now - self._arrival_clock(end)) * 1000.0, tuple(tokens), hyp.pos / SAMPLE_RATE)
+        self._last_end_s = end
         self.finals.append(sub)
         self._partial = ""
         return sub
 
     def _emit_partial(self, text: str) -> Subtitle:
         self._partial = text
-        end = self.audio_end_s
-        return Subtitle("partial", text, round(self._last_end_s, 3), round(max(self._last_end_s, end), 3),
-                        self.clock())
+        return Subtitle("partial", text, round(self._last_end_s, 3),
+                        round(max(self._last_end_s, self.decoded_until_s), 3), self.clock())
 
     def _arrival_clock(self, t_s: float) -> float:
         """Clock time at which the audio at ``t_s`` had arrived."""
@@ -688,118 +815,103 @@ class StreamingRecognizer:
                 return at
         return self._arrivals[-1][1] if self._arrivals else self.clock()
 
-    def _speech_time_at(self, lo_s: float, hi_s: float, fraction: float) -> float:
-        """Where the VAD's speech frames inside ``(lo_s, hi_s]`` reach ``fraction`` of their total duration (the
-        end of that frame); ``hi_s`` when the interval holds no speech."""
-        fa = max(0, int(lo_s * SAMPLE_RATE) // FRAME)
-        fb = min(self.vad.frames, -(-int(hi_s * SAMPLE_RATE) // FRAME))
-        frames = [i for i in range(fa, fb) if self.vad.speech[i]]
-        if not frames:
-            return hi_s
-        j = min(len(frames) - 1, max(0, int(np.ceil(fraction * len(frames))) - 1))
-        return min(hi_s, max(lo_s, (frames[j] + 1) * FRAME / SAMPLE_RATE))
+    # -- cutting the buffer -------------------------------------------------------------------------------------
+    def _trim(self, hyp: _Hyp, pos: int) -> list[Subtitle]:
+        """Cut the buffer at the end of the last committed closed segment when it is longer than
+        ``trim_after_s`` or the speaker paused with everything committed; at ``max_buffer_s`` commit first."""
+        cfg = self.config
+        out: list[Subtitle] = []
+        length = pos - self.buffer.start
+        full = length >= cfg.max_buffer_s * SAMPLE_RATE - FRAME
+        if full:
+            out.extend(self._force(hyp))
+        done = [s for s in hyp.segments if s.complete and s.end <= len(self._committed)]
+        if not done:
+            if full and hyp.text:  # one segment as long as the buffer: committed, cut where it was read
+                self._cut(pos, hyp, hyp.segments[-1])
+            elif full:  # Whisper's silence rule judged the whole buffer silent
+                self._reset_buffer(pos - SAMPLE_RATE // 2)
+            return out
+        seg = done[-1]
+        cut = int(round(seg.end_s * SAMPLE_RATE))
+        pause = int(cfg.utterance_pause_s * SAMPLE_RATE)
+        everything = len(self._committed) >= len(hyp.text) and hyp.complete
+        if everything and self._unread(hyp, pos):  # Whisper stopped early: the next pass reads on from here
+            self._cut(self._snap(cut, pos), hyp, seg)
+        elif everything and not self._speech(max(cut, pos - pause), pos):
+            last = self._last_speech_end(self.buffer.start, pos)  # the speaker paused, all of it committed
+            self._cut(max(cut, last or cut), hyp, seg)
+        elif full:
+            self._cut(self._snap(cut, pos), hyp, seg)
+        elif length > cfg.trim_after_s * SAMPLE_RATE:  # keep keep_s of audio (and its text) as context
+            ok = [s for s in done if pos - s.end_s * SAMPLE_RATE >= cfg.keep_s * SAMPLE_RATE]
+            if ok:
+                self._cut(self._snap(int(round(ok[-1].end_s * SAMPLE_RATE)), pos), hyp, ok[-1])
+        return out
 
-    def _speech_onset(self, a_s: float, b_s: float) -> float | None:
-        fa = int(a_s * SAMPLE_RATE) // FRAME
-        fb = min(self.vad.frames, int(b_s * SAMPLE_RATE) // FRAME + 1)
-        for i in range(max(0, fa), fb):
-            if self.vad.speech[i]:
-                return max(a_s, i * FRAME / SAMPLE_RATE)
-        return None
+    def _snap(self, cut: int, pos: int, reach_s: float = 0.3) -> int:
+        """``cut`` moved into the VAD pause nearest to it within ``reach_s`` (timestamps are about 0.1-0.3 s off;
+        cutting in the middle of a pause keeps a word from being split between two windows)."""
+        reach = int(reach_s * SAMPLE_RATE) // FRAME
+        c = cut // FRAME
+        lo, hi = self.buffer.start // FRAME, min(self.vad.frames, pos // FRAME)
+        for d in range(reach + 1):
+            for f in (c - d, c + d):
+                if lo < f < hi and not self.vad.speech[f]:
+                    a = b = f  # the pause around frame f
+                    while a - 1 > lo and not self.vad.speech[a - 1]:
+                        a -= 1
+                    while b + 1 < hi and not self.vad.speech[b + 1]:
+                        b += 1
+                    return ((a + b + 1) * FRAME) // 2
+        return cut
 
-    # -- trimming ------------------------------------------------------------------------------------------------
-    def _reset_buffer(self, new_start: int) -> None:
-        self._history += self._committed
-        self.buffer.trim(new_start)
-        self._committed, self._prev, self._seen, self._prev_complete = [], None, [], False
-        self._hyps = []
+    def _cut(self, cut: int, hyp: _Hyp, seg: _Seg) -> None:
+        """Move the buffer start to ``cut`` (absolute sample), where ``seg`` (committed) ends: its text and all
+        before it join the prompt history, the rest of the committed prefix is re-timed to the new start, and the
+        recent hypotheses lose the same text."""
+        cut = max(self.buffer.start, min(cut, hyp.pos))
+        k = min(seg.end, len(self._committed))
+        self._history += self._committed[:k]
+        raw_k = seg.raw_end if seg.end <= len(self._committed) else len(self._prefix)
+        shift = round((cut - self.buffer.start) / SAMPLE_RATE / 0.02)
+        self._prefix = [t if t < self._tb else max(self._tb, t - shift) for t in self._prefix[raw_k:]]
+        self._committed = self._committed[k:]
+        self._hyps = [_Hyp(h.pos, cut, [], h.text[k:], [], [], h.complete) for h in self._hyps
+                      if h.text[:k] == hyp.text[:k]]
+        self.buffer.trim(cut)
         self._drop_old_arrivals()
+
+    def _reset_buffer(self, new_start: int) -> None:
+        """Drop the audio before ``new_start`` when nothing uncommitted is in it (silence)."""
+        self._history += self._committed
+        self._committed, self._prefix, self._hyps = [], [], []
+        self.buffer.trim(new_start)
+        self._last_commit_pos = max(self._last_commit_pos, self._last_pos)
+        self._drop_old_arrivals()
+
+    def _read_until(self, hyp: _Hyp) -> int:
+        """Absolute sample up to which ``hyp`` read the audio: the end of its last closed segment."""
+        done = [s for s in hyp.segments if s.complete]
+        return int(round(done[-1].end_s * SAMPLE_RATE)) if done else hyp.start
+
+    def _unread(self, hyp: _Hyp, pos: int, margin_s: float = 0.5) -> bool:
+        """Speech (VAD) more than ``margin_s`` after the end of what ``hyp`` read and before ``pos``: Whisper stopped
+        before the end of the audio (it can end a window early) or the speech started after its last segment."""
+        if hyp.segments and not hyp.segments[-1].complete:
+            return False  # an unfinished segment: it is reading on
+        return self._speech(self._read_until(hyp) + int(margin_s * SAMPLE_RATE), pos)
+
+    def _maybe_end_utterance(self, pos: int) -> None:
+        """Everything committed, all speech read and the speaker paused: cut at the end of the last speech."""
+        last = self._last_speech_end(self.buffer.start, pos)
+        if last is not None and pos - last >= self.config.utterance_pause_s * SAMPLE_RATE and last > self.buffer.start:
+            self._reset_buffer(last)
 
     def _drop_old_arrivals(self) -> None:
         keep = max(0, self.buffer.start - 60 * SAMPLE_RATE)
         while len(self._arrivals) > 1 and self._arrivals[0][0] < keep:
             self._arrivals.pop(0)
-
-    def _maybe_end_utterance(self, end_s: float) -> None:
-        """Everything committed and the speaker paused: clear the buffer up to the end of speech."""
-        if self._prev is None or len(self._prev) > len(self._committed):
-            return
-        last = self.vad.last_speech_end_s()
-        if last is not None and end_s - last >= self.config.utterance_pause_s and last > self.buffer.start / SAMPLE_RATE:
-            self._reset_buffer(int(last * SAMPLE_RATE))
-
-    async def _trim_at_pause(self, limit_s: float, force: bool = False) -> list[Subtitle]:
-        """Trim the buffer at the latest VAD pause before ``limit_s`` (whisper_streaming trims at committed
-        segment ends; without timestamps, a pause is where the text can be split safely).
-
-        The audio up to the pause ``p`` is decoded once more on its own: that hypothesis (drafted by the
-        previous one, so mostly verified) is located in the previous hypothesis of the whole buffer, which
-        splits it into the text before ``p`` and after. Text before ``p`` not committed yet is committed now
-        (a final) - it was decoded with the most context this buffer had. The text before ``p`` moves to the
-        prompt history, the rest stays committed / pending in the new buffer ``[p, ..)``: no audio is dropped
-        and nothing is committed twice. Without a pause (``force``): everything is committed and the buffer
-        restarts at its end."""
-        cfg = self.config
-        out: list[Subtitle] = []
-        if self._prev is None:
-            return out
-        start_s = self.buffer.start / SAMPLE_RATE
-        limit_s = min(limit_s, self._last_pass_end_s)  # the previous hypothesis covers the audio up to here
-        half = cfg.vad.min_silence_s / 2
-        cuts = [t + half for t in self.vad.speech_offsets(start_s + 0.5, limit_s) if t + half <= limit_s]
-        k = None
-        part: list[int] = []
-        if cuts:
-            p = cuts[-1]
-            part, _ = await self._decode(self.buffer.start, int(round(p * SAMPLE_RATE)))
-            k = self._locate(self._prev, part)
-        if k is None:
-            if not force:
-                return out
-            p, k = self._last_pass_end_s, len(self._prev)  # the previous pass covered the buffer to here
-            self._hyps = []
-        else:  # the recent hypotheses lose the same text (those where it cannot be located are dropped)
-            hyps = []
-            for e, h, c in self._hyps[:-1]:
-                kh = self._locate(h, part)
-                if kh is not None:
-                    hyps.append((e, h[kh:], c))
-            self._hyps = hyps + [(e, h[k:], c) for e, h, c in self._hyps[-1:]] if len(self._prev) > k else []
-        c = len(self._committed)
-        if k > c:
-            out.append(self._emit_final(self._prev[c:k], self._seen[c:k], p, self._seen[k:]))
-        self._history += self._prev[:k]
-        self._committed = self._committed[k:]
-        self._prev, self._seen = (self._prev[k:], self._seen[k:]) if len(self._prev) > k else (None, [])
-        self.buffer.trim(int(round(p * SAMPLE_RATE)))
-        self._drop_old_arrivals()
-        return out
-
-    def _locate(self, seq: list[int], part: list[int]) -> int | None:
-        """Index in ``seq`` where ``part`` (a reading of the start of the same audio) ends, at a word start of
-        ``seq``; None when ``part``'s end is nowhere in ``seq``."""
-        import difflib
-
-        if not part:
-            return 0
-        if seq[:len(part)] == part:
-            j = len(part)
-        else:
-            blocks = [b for b in difflib.SequenceMatcher(None, part, seq, autojunk=False).get_matching_blocks()
-                      if b.size]
-            if not blocks or len(part) - (blocks[-1].a + blocks[-1].size) > 3:
-                return None
-            j = blocks[-1].b + blocks[-1].size
-        while j < len(seq) and not self.service.starts_word(seq[j]):
-            j += 1
-        return j
-
-    def _force_trim(self, need: int) -> None:
-        """The buffer is full: drop the oldest audio, committed first (the hypothesis restarts)."""
-        cut = self.buffer.start + max(need, int(self.config.max_buffer_s * SAMPLE_RATE) // 2)
-        if self.finals:
-            cut = max(cut, int(self.finals[-1].end_s * SAMPLE_RATE))
-        self._reset_buffer(cut)
 
 
 # -- replay on a simulated clock --------------------------------------------------------------------------------------
@@ -827,6 +939,7 @@ class ReplayResult:
     passes: list[PassRecord]
     duration_s: float
     wall_s: float
+    decoded_until_s: float = 0.0
 
     @property
     def finals(self) -> list[Subtitle]:
@@ -837,43 +950,63 @@ class ReplayResult:
         return " ".join(s.text for s in self.finals if s.text)
 
 
-async def replay(service: SpeechService, audio: np.ndarray, chunk_s: float = 0.5,
-                 config: StreamConfig | None = None) -> ReplayResult:
-    """Stream ``audio`` (16 kHz float32) through a recognizer on a simulated clock: chunk ``k`` arrives at
-    ``(k + 1) * chunk_s``; passes take their real compute time on that clock; idle waits take none. So the
-    latencies are those of a live stream on this machine (one stream, no other load), faster than real time."""
+def chunk_schedule(n_samples: int, chunk_s: float | Sequence[float] = 0.5, pace: float | None = 1.0,
+                   pauses: dict[int, float] | None = None) -> list[tuple[int, int, float]]:
+    """``(start, end, arrival s)`` of each chunk: chunk sizes ``chunk_s`` (a list cycles), sent at ``pace`` x real
+    time (None: all at once, at time 0), with ``pauses[k]`` extra seconds before chunk ``k``."""
+    sizes = [chunk_s] if isinstance(chunk_s, (int, float)) else list(chunk_s)
+    out, i, t, k = [], 0, 0.0, 0
+    while i < n_samples:
+        n = max(1, int(round(sizes[k % len(sizes)] * SAMPLE_RATE)))
+        j = min(n_samples, i + n)
+        t += (pauses or {}).get(k, 0.0)
+        if pace is not None:
+            t += (j - i) / SAMPLE_RATE / pace
+        out.append((i, j, t))
+        i, k = j, k + 1
+    return out
+
+
+async def replay(service: SpeechService, audio: np.ndarray, chunk_s: float | Sequence[float] = 0.5,
+                 config: StreamConfig | None = None, pace: float | None = 1.0,
+                 pauses: dict[int, float] | None = None) -> ReplayResult:
+    """Stream ``audio`` (16 kHz float32) through a recognizer on a simulated clock (:func:`chunk_schedule`:
+    chunk ``k`` arrives when its last sample would at ``pace`` x real time; None: everything at once); passes take
+    their real compute time on that clock; idle waits take none. So the latencies are those of a live stream on
+    this machine (one stream, no other load), measured faster than real time."""
     clock = SimClock()
     rec = StreamingRecognizer(service, config, clock=clock)
-    step = int(round(chunk_s * SAMPLE_RATE))
-    chunks = [audio[i:i + step] for i in range(0, len(audio), step)]
-    arrivals = [min(len(audio), (k + 1) * step) / SAMPLE_RATE for k in range(len(chunks))]
+    sched = chunk_schedule(len(audio), chunk_s, pace, pauses)
     subs: list[Subtitle] = []
     t_wall = time.perf_counter()
     k = 0
-    while k < len(chunks):
-        while k < len(chunks) and arrivals[k] <= clock.t + 1e-9:
-            rec.insert_audio(chunks[k])
+    while k < len(sched):
+        while k < len(sched) and sched[k][2] <= clock.t + 1e-9:
+            a, b, at = sched[k]
+            rec.insert_audio(audio[a:b], arrived_at=at)
             k += 1
         if rec.ready():
             clock.begin()
             subs.extend(await rec.process())
             clock.end()
-        elif k < len(chunks):
-            clock.t = max(clock.t, arrivals[k])
+        elif k < len(sched):
+            clock.t = max(clock.t, sched[k][2])
     clock.begin()
     subs.extend(await rec.finish())
     clock.end()
-    return ReplayResult(subs, rec.passes, len(audio) / SAMPLE_RATE, time.perf_counter() - t_wall)
+    return ReplayResult(subs, rec.passes, len(audio) / SAMPLE_RATE, time.perf_counter() - t_wall,
+                        rec.decoded_until_s)
 
 
-def replay_file(path: str, model=None, chunk_s: float = 0.5, config: StreamConfig | None = None) -> ReplayResult:
+def replay_file(path: str, model=None, chunk_s: float = 0.5, config: StreamConfig | None = None,
+                pace: float | None = 1.0) -> ReplayResult:
     """:func:`replay` of an audio file with a fresh :class:`SpeechService` (blocking)."""
     from specstream.modalities.audio import load_audio
 
     async def run():
         svc = SpeechService(model, num_slots=2)
         try:
-            return await replay(svc, load_audio(path), chunk_s, config)
+            return await replay(svc, load_audio(path), chunk_s, config, pace)
         finally:
             await svc.stop()
 

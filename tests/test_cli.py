@@ -25,7 +25,8 @@ def test_generate_json_contract_and_exactness(tiny, hf_target):
     assert len(out) == 1
     rec = json.loads(out[0])
     assert set(rec) == {"tokens", "finish_reason", "stats"}
-    assert set(rec["stats"]) == {"target_steps", "accepted_per_step", "mean_accepted", "tau"}
+    assert set(rec["stats"]) == {"target_steps", "accepted_per_step", "mean_accepted", "tau", "decode_s"}
+    assert 0 < rec["stats"]["decode_s"] < 300
     assert rec["tokens"] == hf_greedy(hf_target, [5, 6, 7, 8, 5, 6], 12)
     assert rec["finish_reason"] == "length"
     assert len(rec["stats"]["accepted_per_step"]) == rec["stats"]["target_steps"] - 1
@@ -138,3 +139,78 @@ def test_caption_prompt_longer_than_the_context_ends_as_error_records(tmp_path, 
     one = CaptionJobSummary(inputs=1, frames_decoded=1, keyframes=1, captions=1, tokens=1, target_steps=1,
                             seconds=1.0).line()
     assert one.startswith("1 input (0 failed): 1 frame decoded, 1 keyframe, 1 caption, 1 token in 1.0 s")
+
+
+def test_prompt_text_streams_as_it_is_committed(monkeypatch, capsys):
+    """Without --json the text of --prompt reaches stdout step by step (the engine's on_tokens), whole characters
+    only, and equals the text of the --json record."""
+    import io
+
+    from specstream.cli import main
+    from specstream.stages.speculative.engine import SpeculativeEngine
+
+    # the built-in tiny model (the default --target) has the GPT-2 byte-level vocabulary: random ids split characters
+    args = ["generate", "--prompt", "token tree", "--max-new-tokens", "24", "--no-speculation"]
+    assert main([*args, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    steps: list[int] = []
+    step = SpeculativeEngine.step
+
+    def counted(self):
+        finished = step(self)
+        steps.append(1)
+        return finished
+
+    writes: list[tuple[int, str]] = []
+
+    class Recorder(io.StringIO):
+        def write(self, text):
+            writes.append((len(steps), text))
+            return super().write(text)
+
+    monkeypatch.setattr(SpeculativeEngine, "step", counted)
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    assert main(args) == 0
+    streamed = "".join(t for _, t in writes)
+    assert streamed == record["text"] + "\n" and "\ufffd" not in streamed
+    # one token per step: text was written after many different steps, not once at the end
+    assert len(steps) == 24 and len({n for n, t in writes if t}) >= 8
+    assert "[req-0] length tokens=24" in capsys.readouterr().err
+
+
+def test_default_target_is_the_built_in_tiny_model(tmp_path):
+    from specstream.pipeline.defaults import default_caption_models
+
+    default = run("generate", "--prompt-ids", "5,6,7", "--max-new-tokens", 4, "--json")
+    assert "UNTRAINED" in default.stderr
+    explicit = run("generate", "--target", default_caption_models(quiet=True)[0], "--prompt-ids", "5,6,7",
+                   "--max-new-tokens", 4, "--json")
+    assert json.loads(default.stdout)["tokens"] == json.loads(explicit.stdout)["tokens"]
+    assert len(json.loads(default.stdout)["tokens"]) == 4
+
+
+def test_bad_flags_fail_before_any_model_loads(tmp_path):
+    missing = tmp_path / "no-such-checkpoint"  # resolving it would fail with checkpoint_not_found
+    err = run("generate", "--target", missing, "--chat", "--prompt-ids", "1", check_rc=2).stderr
+    assert "--chat applies the chat template to --prompt TEXT" in err
+    err = run("generate", "--target", missing, "--max-new-tokens", 3, check_rc=2).stderr
+    assert "give --prompt, --prompt-ids or --prompt-ids-file" in err
+    err = run("generate", "--target", missing, "--prompt-ids", "1", "--mode", "sample", "--temperature", 0,
+              check_rc=2).stderr
+    assert "invalid_request" in err and "temperature must be > 0" in err
+    err = run("generate", "--prompt-ids", "1", "--max-new-tokens", 0, check_rc=2).stderr
+    assert "--max-new-tokens must be >= 1, got 0" in err
+    err = run("generate", "--prompt-ids", "1", "--num-slots", "x", check_rc=2).stderr
+    assert "--num-slots must be an integer, got 'x'" in err
+
+
+def test_chat_needs_a_chat_template(tiny, tmp_path):
+    import shutil
+
+    from specstream.pipeline.defaults import whisper_tokenizer_file
+
+    ck = tmp_path / "no-template"
+    shutil.copytree(tiny.target, ck)
+    shutil.copy(whisper_tokenizer_file(), ck / "tokenizer.json")
+    err = run("generate", "--target", ck, "--prompt", "hi", "--chat", "--max-new-tokens", 2, check_rc=2).stderr
+    assert "invalid_request" in err and "has no chat template" in err

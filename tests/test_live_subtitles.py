@@ -68,22 +68,23 @@ def test_replay_lossless_per_window_and_drafts(sm, rec3):
     finals = res.finals
     _check_finals(finals, len(audio) / 16000)
     assert wer(" ".join(SCRIPT[:3]), res.text) <= 0.5, res.text
-    # lossless: every window's drafted output equals plain (undrafted) decoding of the same window
+    # lossless: every window's drafted output equals plain (undrafted) decoding of the same window, prompt and
+    # committed prefix, with the same timestamp rules
     plain_engine = sm.new_engine("none", num_slots=4)
     windows = [p for p in res.passes]
     assert len(windows) >= 4
     enc = sm.encode(np.stack([p.window for p in windows]))
-    plain = sm.decode(plain_engine, list(enc), speculate=False, max_new_tokens=160,
-                      previous=[p.prompt for p in windows])
+    plain = sm.decode(plain_engine, list(enc), speculate=False, max_new_tokens=160, timestamps=True,
+                      previous=[p.history for p in windows], prefixes=[p.prefix for p in windows])
     drafted_steps = plain_steps = 0
     for p, ref in zip(windows, plain):
         assert p.raw_tokens == ref.tokens, (svc.text(p.raw_tokens), ref.text)
         if p.drafted:
             drafted_steps += p.target_steps
             plain_steps += ref.target_steps
-    # the previous hypothesis drafts most tokens: at most half the target decoder steps
-    assert drafted_steps <= 0.5 * plain_steps, (drafted_steps, plain_steps)
-    # committed text (all finals) is a prefix-consistent reading of the last window
+    # the previous hypothesis drafts most tokens: well under the target decoder steps of plain decoding
+    assert drafted_steps <= 0.6 * plain_steps, (drafted_steps, plain_steps)
+    assert any(p.prefix for p in windows)  # committed text was forced as the decoder prefix
     assert all(f.latency_ms is not None and f.latency_ms >= 0 for f in finals)
 
 
@@ -96,32 +97,25 @@ def test_silence_and_quiet_noise_produce_no_text(sm):
 
 
 def test_guards():
-    from specstream.stages.streaming import RingBuffer, compression_ratio, repetition_cut
+    from specstream.stages.streaming import compression_ratio, repetition_cut
 
     assert repetition_cut([1, 2, 3, 4, 5], 3) is None
     assert repetition_cut([9, 1, 2, 1, 2, 1, 2, 1, 2], 4) == 3
     assert compression_ratio("the the the the the the the the the the the the the the the the") > 2.4
-    rb = RingBuffer(10)
-    rb.append(np.arange(8, dtype=np.float32))
-    rb.trim(5)
-    rb.append(np.arange(8, 15, dtype=np.float32))
-    assert rb.view().tolist() == list(range(5, 15)) and (rb.start, rb.end) == (5, 15)
-    assert rb.view(12, 14).tolist() == [12, 13]
-    with pytest.raises(OverflowError):
-        rb.append(np.zeros(1, np.float32))
 
 
-def test_final_end_time_is_where_the_speech_ends_not_the_first_pause(sm, rec3):
-    """A whole 3-sentence recording decoded in one pass (it all arrived at once): every token first appeared in
-    that pass, and the final ends where the VAD heard the speech end, not at the first pause between sentences."""
-    from specstream.stages.streaming import SpeechService, StreamingRecognizer
+def test_final_times_come_from_timestamps(sm, rec3):
+    """A whole 3-sentence recording decoded in one pass (it all arrived at once): one final per segment, whose times
+    are Whisper's timestamps: each sentence's final ends within 0.3 s of where its speech ends (timestamps are
+    20-ms steps; Whisper places them within a few tenths of a second of the speech)."""
+    from specstream.stages.streaming import SpeechService, StreamConfig, StreamingRecognizer
 
     _, audio, ends = rec3
 
     async def run():
         svc = SpeechService(sm, num_slots=2)
         try:
-            rec = StreamingRecognizer(svc)
+            rec = StreamingRecognizer(svc, StreamConfig(hop_s=15.0, trim_after_s=15.0, max_buffer_s=15.0))
             rec.insert_audio(audio)
             return await rec.finish()
         finally:
@@ -130,7 +124,9 @@ def test_final_end_time_is_where_the_speech_ends_not_the_first_pause(sm, rec3):
     finals = [s for s in asyncio.run(run()) if s.kind == "final"]
     assert finals and wer(" ".join(SCRIPT[:3]), " ".join(f.text for f in finals)) <= 0.5
     print([(f.start_s, f.end_s) for f in finals], ends)
-    assert abs(finals[-1].end_s - ends[-1]) < 0.15, ([(f.start_s, f.end_s, f.text) for f in finals], ends)
+    assert len(finals) == 3
+    for f, end in zip(finals, ends):
+        assert abs(f.end_s - end) < 0.3, ([(f.start_s, f.end_s, f.text) for f in finals], ends)
     assert finals[0].start_s < 0.3
 
 
@@ -140,10 +136,8 @@ def server(sm, tmp_path_factory):
     from specstream.pipeline.server import ServerSettings
     from specstream.stages.streaming import SpeechService
 
-    # agree_span_s=6: the accuracy end of the commit policy's trade-off (finals ~7 s late; the default 2.5 s
-    # gives WER 0.13-0.19 here, LocalAgreement-2 the lowest latency: docs/benchmarks.md)
     settings = ServerSettings(port=free_port(), max_frame_bytes=64 * 1024, idle_timeout_s=8.0,
-                              ping_interval_s=1.0, ping_timeout_s=2.0, max_sessions=8, agree_span_s=6.0)
+                              ping_interval_s=1.0, ping_timeout_s=2.0, max_sessions=8)
     srv = ServerThread(settings)
     srv.app.state.specstream.speech = SpeechService(sm, num_slots=8)
     yield srv.start()
@@ -302,6 +296,156 @@ def test_websocket_realtime_with_bad_clients(server, rec10, sm):
     assert _metric(metrics, "specstream_scheduler_batch_size_count") > 0
 
 
+def _f32_frame(values) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def test_close_codes_with_log_lines(server, sm, caplog):
+    """Report 5: NaN / Inf samples and odd byte counts close 1007 with a reason; a client that never reads closes
+    1008 (not 1011 from the keepalive); a recognizer failure closes 1011. Each close is logged with its code."""
+    import logging
+
+    import httpx
+
+    caplog.set_level(logging.INFO, logger="specstream.server")
+    nan, inf = np.zeros(1600, np.float32), np.zeros(1600, np.float32)
+    nan[7], inf[3] = np.nan, np.inf
+    start = json.dumps({"type": "start", "format": "f32le"})
+
+    async def main():
+        out = {}
+        for name, frames in (("nan", [start, _f32_frame(nan)]), ("inf", [start, _f32_frame(inf)]),
+                             ("odd", [b"\0\0\0"])):
+            out[name] = await _close_with_reason(server.ws_url, *frames)
+        before = _metric(httpx.get(server.base + "/metrics").text, "specstream_subtitle_sessions_closed_total",
+                         'code="1008"')
+        out["dropped_after"] = await _never_reading_client(server.settings.port, np.zeros(48000, np.float32))
+        await asyncio.sleep(0.5)
+        out["1008"] = _metric(httpx.get(server.base + "/metrics").text, "specstream_subtitle_sessions_closed_total",
+                              'code="1008"') - before
+        return out
+
+    out = asyncio.run(main())
+    assert out["nan"][0] == 1007 and "non-finite" in out["nan"][1], out["nan"]
+    assert out["inf"][0] == 1007 and "non-finite" in out["inf"][1]
+    assert out["odd"][0] == 1007 and "whole number" in out["odd"][1]
+    assert out["dropped_after"] < 15.0 and out["1008"] == 1
+    text = caplog.text
+    assert "closed 1007 (f32le frame holds 1 non-finite sample(s) (NaN or Inf), first at sample 7)" in text
+    assert "client not reading (keepalive ping timeout)" in text and "closed 1008" in text
+
+
+async def _close_with_reason(url, *messages) -> tuple[int, str]:
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    async with connect(url) as ws:
+        try:
+            for m in messages:
+                await ws.send(m)
+            async for _ in ws:
+                pass
+        except ConnectionClosed:
+            pass
+        return ws.close_code, ws.close_reason
+
+
+def test_recognizer_failure_closes_1011_and_is_logged(sm, caplog):
+    """A fault injected into the shared speech service (every decode raises): the session closes 1011 with
+    ``recognizer failed`` and the traceback is logged; the server stays up for the next session."""
+    import logging
+
+    from fastapi.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    from specstream.pipeline.server import ServerSettings, create_app
+    from specstream.stages.streaming import SpeechService
+
+    class FaultyService(SpeechService):
+        async def decode_window(self, *args, **kwargs):
+            raise RuntimeError("injected decoder fault")
+
+    caplog.set_level(logging.INFO, logger="specstream.server")
+    from live_fixtures import speak
+
+    import tempfile
+    from pathlib import Path
+
+    from specstream.modalities.audio import load_audio
+
+    with tempfile.TemporaryDirectory() as d:
+        speech = load_audio(speak(SCRIPT[0], Path(d) / "s.wav"))
+    pcm = (speech * 32768).astype("<i2").tobytes()
+    with TestClient(create_app(ServerSettings(), speech=FaultyService(sm, num_slots=2))) as c:
+        with pytest.raises(WebSocketDisconnect) as exc:
+            with c.websocket_connect("/v1/subtitles") as ws:
+                for i in range(0, len(pcm), 16000):
+                    ws.send_bytes(pcm[i:i + 16000])
+                ws.send_text(json.dumps({"type": "stop"}))
+                while True:
+                    ws.receive_text()
+        assert exc.value.code == 1011 and "recognizer failed: RuntimeError" in exc.value.reason
+        assert c.get("/healthz").json()["status"] == "ok"
+    assert "recognizer failed" in caplog.text and "injected decoder fault" in caplog.text
+    assert "closed 1011" in caplog.text
+
+
+def test_recording_sent_all_at_once_loses_nothing(sm, tmp_path_factory, caplog):
+    """Report 1: a 62-s recording sent as fast as the socket takes it, in 0.5-s frames; the client then waits longer
+    than the idle timeout before its stop (the server is still working through the backlog): no idle close, the
+    server stops reading while the backlog is at its limit (backpressure), and the finals read as well as the
+    offline transcript of the same file (WER within 0.03)."""
+    import httpx
+
+    from live_fixtures import long_recording
+    from specstream.pipeline.server import ServerSettings
+    from specstream.stages.speech import transcribe
+    from specstream.stages.streaming import SpeechService
+
+    rec = long_recording(tmp_path_factory.mktemp("bulletin-ws"))
+    # passes every second, finals after 2 s of agreement: the accuracy side of the commit policy (the default,
+    # 0.5 s / LocalAgreement-2, trades about 0.05-0.1 WER for latency: docs/benchmarks.md)
+    settings = ServerSettings(port=free_port(), idle_timeout_s=3.0, ping_interval_s=1.0, ping_timeout_s=2.0,
+                              min_hop_s=1.0, agree_span_s=2.0)
+    srv = ServerThread(settings)
+    srv.app.state.specstream.speech = SpeechService(sm, num_slots=2)
+    srv.start()
+    try:
+        async def main():
+            from websockets.asyncio.client import connect
+
+            msgs = []
+            async with connect(srv.ws_url, max_size=None) as ws:
+                async def reader():
+                    async for m in ws:
+                        msgs.append(json.loads(m))
+
+                rt = asyncio.create_task(reader())
+                pcm = (rec.audio * 32768).clip(-32768, 32767).astype("<i2").tobytes()
+                for i in range(0, len(pcm), 16000):
+                    await ws.send(pcm[i:i + 16000])
+                await asyncio.sleep(settings.idle_timeout_s + 2.0)
+                await ws.send(json.dumps({"type": "stop"}))
+                await asyncio.wait_for(rt, 600)
+                return msgs, ws.close_code
+        msgs, code = asyncio.run(main())
+        metrics = httpx.get(srv.base + "/metrics").text
+    finally:
+        srv.stop()
+    assert code == 1000 and msgs[-1] == {"type": "done"}
+    finals = [m for m in msgs if m["type"] == "final"]
+    text = " ".join(f["text"] for f in finals)
+    offline = transcribe(rec.path, sm).text
+    w, w_off = wer(rec.text, text), wer(rec.text, offline)
+    print(f"\nall at once: WER {w:.3f} (offline {w_off:.3f}); {len(finals)} finals")
+    assert w <= w_off + 0.03, (text, offline)
+    from live_fixtures import uncovered_speech
+
+    assert not uncovered_speech(rec.spans, [(f["start_s"], f["end_s"]) for f in finals])
+    assert _metric(metrics, "specstream_subtitle_backpressure_seconds_total") > 0
+    assert "idle timeout" not in caplog.text
+
+
 def test_slow_reader_closed_1008(sm):
     """A client whose sends block (never reads) is closed with 1008 once a send times out."""
     from specstream.pipeline.server import AppState, ServerSettings, SubtitleSession
@@ -446,21 +590,25 @@ def test_web_page_streams_a_file_in_chromium(server, rec3):
 
 
 def test_concurrent_realtime_streams_share_one_engine(sm, rec3):
-    """``bench subtitles``' multi-stream run: two streams at real-time pace on the wall clock through one
-    SpeechService; both are transcribed, keep real time (lag bounded) and their finals are ordered."""
+    """``bench subtitles``' multi-stream run: two streams at real-time pace through one SpeechService. What holds
+    at any machine speed (report 7: no wall-clock claim here, that is the benchmark's): both are transcribed
+    completely, in order, and every sample of both was decoded."""
     from specstream.pipeline.bench_subtitles import realtime_streams
 
-    _, audio, _ = rec3
+    path, audio, ends = rec3
     r = asyncio.run(realtime_streams(sm, audio, 2, max_lag_s=8.0))
     assert r["streams"] == 2 and len(r["per_stream"]) == 2
-    assert r["keeps_real_time"], r
     duration = len(audio) / 16000
+    texts = []
     for p in r["per_stream"]:
         assert p["finals"] >= 1 and p["passes"] >= 3
+        assert p["decoded_until_s"] == pytest.approx(duration)  # no audio left undecoded
         assert wer(" ".join(SCRIPT[:3]), p["text"]) <= 0.6, p["text"]
         last = 0.0
         for start, end in p["final_times"]:
             assert last - 1e-6 <= start <= end <= duration + 1e-6, p["final_times"]
             last = end
+        texts.append(p["text"])
+    assert texts[0] == texts[1]  # passes at fixed audio positions: the same audio gives the same finals
     # latencies count from the scheduled arrival of the audio: a final comes after the speech it transcribes
-    assert 0 < r["final_latency_ms_p50"] <= r["final_latency_ms_p95"] < 60_000
+    assert 0 < r["final_latency_ms_p50"] <= r["final_latency_ms_p95"]

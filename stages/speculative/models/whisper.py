@@ -326,6 +326,57 @@ class WhisperDecoder(nn.Module):
             return None
         return CrossKV(cache.cross_k[:, slot, :, :s].clone(), cache.cross_v[:, slot, :, :s].clone())
 
+    @torch.inference_mode()
+    def cross_attention_scores(self, encoder: CrossKV, input_ids: list[int], heads: list[tuple[int, int]]
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced forward of one token sequence, returning the pre-softmax cross-attention scores of the
+        given ``(layer, head)`` pairs (word alignment, as openai-whisper's ``find_alignment`` reads them).
+
+        Args:
+            encoder: one window's cross-attention keys/values (:meth:`project`).
+            input_ids: ``T <= max_position_embeddings`` tokens.
+            heads: alignment heads.
+
+        Returns:
+            ``(logits [T, vocab] float32, scores [len(heads), T, S_enc] float32)`` where
+            ``scores = q k^T / sqrt(head_dim)`` of each head (the softmax of which is the attention).
+
+        Raises:
+            ValueError: a sequence longer than the position table, a head outside the model.
+        """
+        n, cfg = len(input_ids), self.config
+        if not 0 < n <= cfg.max_position_embeddings:
+            raise ValueError(f"{n} tokens do not fit the decoder's {cfg.max_position_embeddings} positions")
+        if any(not (0 <= l < cfg.decoder_layers and 0 <= h < cfg.decoder_attention_heads) for l, h in heads):
+            raise ValueError(f"alignment heads {heads} outside {cfg.decoder_layers} layers x "
+                             f"{cfg.decoder_attention_heads} heads")
+        dev = self.device
+        dec = self.model.decoder
+        ids = torch.tensor([input_ids], device=dev)
+        x = self.embed(ids).to(self.dtype) + dec.embed_positions(torch.arange(n, device=dev))[None]
+        wanted: dict[int, list[int]] = {}
+        for l, h in heads:
+            wanted.setdefault(l, []).append(h)
+        found: dict[tuple[int, int], torch.Tensor] = {}
+        cross_k = encoder.k.to(device=dev, dtype=self.dtype)[:, None]  # [L, 1, H, S, Dh]
+        cross_v = encoder.v.to(device=dev, dtype=self.dtype)[:, None]
+        for i, layer in enumerate(dec.layers):
+            sa = layer.self_attn
+            h = layer.self_attn_layer_norm(x)
+            out = F.scaled_dot_product_attention(sa._heads(sa.q_proj(h)), sa._heads(sa.k_proj(h)),
+                                                 sa._heads(sa.v_proj(h)), is_causal=True, scale=sa.head_dim**-0.5)
+            x = x + sa.out_proj(out.transpose(1, 2).reshape(1, n, -1))
+            ca = layer.encoder_attn
+            q = ca._heads(ca.q_proj(layer.encoder_attn_layer_norm(x)))
+            scores = (q @ cross_k[i].transpose(-1, -2)) * ca.head_dim**-0.5  # [1, H, T, S]
+            for hd in wanted.get(i, []):
+                found[(i, hd)] = scores[0, hd].float()
+            out = scores.softmax(-1) @ cross_v[i]
+            x = x + ca.out_proj(out.transpose(1, 2).reshape(1, n, -1))
+            x = x + layer.fc2(layer.act(layer.fc1(layer.final_layer_norm(x))))
+        logits = self.proj_out(dec.layer_norm(x)).float()[0]
+        return logits, torch.stack([found[lh] for lh in heads])
+
     def _encoder_mask(self, cache: WhisperKVCache, slots: list[int]) -> tuple[int, torch.Tensor | None]:
         lengths = [cache.enc_lengths[s] for s in slots]
         if min(lengths) == 0:

@@ -1,0 +1,419 @@
+"""``specstream bench spec --real``: speculative decoding on the real Qwen2.5-Coder pair against Hugging Face.
+
+Target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M, de-quantised to float32; fetched
+with ``specstream models fetch`` on first use and converted once). Float32, ``--threads`` intra-op threads (2).
+
+Workloads: each prompt alone (code, prose, caption-like, repetitive; all with the chat template), then all of them
+in one batch of ``2 x prompts`` (two of each). Configurations:
+
+- ``hf/greedy``: transformers ``generate(do_sample=False)`` (the batch runs as one padded batch);
+- ``hf/assisted``: transformers assisted generation with the draft (``assistant_model``), one request at a time
+  (it takes batch size 1), so a batch runs its requests one after another;
+- ``hf/prompt-lookup``: transformers ``prompt_lookup_num_tokens=10``, one request at a time;
+- ``ours/no-spec``: the engine, one token per target step (the baseline of ``vs_no_spec``);
+- ``ours/chain-2``, ``ours/chain-4``: a chain of k draft tokens (tree ``1,1`` / ``1,1,1,1``);
+- ``ours/specinfer``: SpecInfer's tree ``1,1,3,1,1,1,1,1`` (21 nodes with the root);
+- ``ours/chain-20``: a chain with as many nodes as SpecInfer's tree (the tree-versus-chain tau comparison);
+- ``ours/dynamic``: ``dynamic:20`` (21 nodes, expanded by cumulative draft probability);
+- ``ours/merged``: the draft and the n-gram drafter merged (SpecInfer's tree).
+
+Each configuration decodes every workload once after a short warm-up; decode wall time excludes loading.
+Reported per workload and configuration: tokens/s, tau (ours: committed tokens per target step), the ratios
+against ``ours/no-spec`` and ``hf/assisted`` of the same workload, and whether every output equals
+``hf/greedy``'s of the same prompt run alone. The host time per step (step wall time minus the time inside model
+forwards, measured with ``torch.profiler`` around ``engine.step`` and each decoder's ``forward_batch``) is measured
+on the batch with SpecInfer's 21-node tree.
+
+The Hugging Face configurations run in a child process that ends before our models load, and our engines are
+loaded one at a time: the float32 HF models (~10 GB) and ours never share the memory.
+
+Results: ``OUT/bench_spec_real.json``, ``OUT/bench_spec_real.png`` and ``OUT/bench_spec_real.md`` (the tables;
+``--table-from JSON`` rebuilds them without running anything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+PROMPTS = {
+    "code": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    "prose": "Explain in three sentences what a keyframe is in video compression.",
+    "caption": "Describe a busy city street at night for a video caption.",
+    "repetitive": (
+        "Rename the variable `total` to `count` in this function and return the whole function unchanged "
+        "otherwise:\n\n```python\ndef count_words(lines):\n    total = 0\n    for line in lines:\n"
+        "        for word in line.split():\n            if word.strip():\n                total += 1\n"
+        "    return total\n```"),
+}
+CONFIGS = {  # name -> (tree, drafts: "draft" | "draft+ngram" | None)
+    "ours/no-spec": (None, None),
+    "ours/chain-2": ("1,1", "draft"),
+    "ours/chain-4": ("1,1,1,1", "draft"),
+    "ours/specinfer": ("1,1,3,1,1,1,1,1", "draft"),
+    "ours/chain-20": (",".join(["1"] * 20), "draft"),
+    "ours/dynamic": ("dynamic:20", "draft"),
+    "ours/merged": ("1,1,3,1,1,1,1,1", "draft+ngram"),
+}
+HF_CONFIGS = ("hf/greedy", "hf/assisted", "hf/prompt-lookup")
+PROFILE_TREE = "1,1,3,1,1,1,1,1"
+
+
+def prompt_ids(checkpoint: Path, names: list[str]) -> dict[str, list[int]]:
+    from specstream.modalities.text import chat_prompt_ids
+
+    return {n: chat_prompt_ids(checkpoint, PROMPTS[n]) for n in names}
+
+
+def workloads(names: list[str], batch: bool) -> dict[str, list[str]]:
+    """Workload name -> prompt names: each prompt alone, then ``batch-N`` (two of each)."""
+    out = {n: [n] for n in names}
+    if batch:
+        out[f"batch-{2 * len(names)}"] = [n for n in names for _ in range(2)]
+    return out
+
+
+# -- Hugging Face, in a child process ------------------------------------------------------------------------
+
+
+def hf_worker(spec_path: str, out_path: str) -> int:
+    """Run the HF configurations (child process entry point); writes their outputs and times as JSON."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    t0 = time.perf_counter()
+    target = AutoModelForCausalLM.from_pretrained(spec["target"], dtype=torch.float32).eval()
+    draft = None
+    if "hf/assisted" in spec["configs"]:
+        draft = AutoModelForCausalLM.from_pretrained(spec["draft"], dtype=torch.float32).eval()
+    load_s = time.perf_counter() - t0
+    pad = spec["pad"]
+    ids = spec["prompt_ids"]
+    n = spec["new_tokens"]
+
+    def one(prompt: list[int], new: int = n, **kw) -> list[int]:
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            out = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
+                                  pad_token_id=pad, eos_token_id=spec["eos"], **kw)
+        return out[0, len(prompt):].tolist()
+
+    def padded(prompts: list[list[int]]) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        x = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            out = target.generate(x, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=pad,
+                                  eos_token_id=spec["eos"])
+        rows = []
+        for row in out[:, width:].tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in spec["eos"]), len(row))
+            rows.append(row[:cut])  # a finished row is padded with pad ids after its stop token
+        return rows
+
+    kwargs = {"hf/greedy": {}, "hf/assisted": {"assistant_model": draft},
+              "hf/prompt-lookup": {"prompt_lookup_num_tokens": 10}}
+    results: dict = {"load_s": load_s, "configs": {}}
+    first = ids[spec["workloads"][next(iter(spec["workloads"]))][0]]
+    for name in spec["configs"]:
+        one(first, 2, **kwargs[name])  # warm-up
+        per = {}
+        for wname, prompts in spec["workloads"].items():
+            batch = [ids[p] for p in prompts]
+            t = time.perf_counter()
+            if name == "hf/greedy" and len(batch) > 1:
+                outs = padded(batch)
+            else:  # assisted generation and prompt lookup take one request at a time
+                outs = [one(p, **kwargs[name]) for p in batch]
+            per[wname] = {"s": time.perf_counter() - t, "outputs": outs}
+            print(f"{name} {wname}: {sum(map(len, outs)) / per[wname]['s']:.2f} tokens/s", file=sys.stderr,
+                  flush=True)
+        results["configs"][name] = per
+    Path(out_path).write_text(json.dumps(results))
+    return 0
+
+
+def run_hf(target: Path, draft: Path, ids: dict, loads: dict, configs: list[str], new_tokens: int, threads: int,
+           eos: list[int], pad: int, tmp: Path) -> dict:
+    spec = {"target": str(target), "draft": str(draft), "prompt_ids": ids, "workloads": loads, "configs": configs,
+            "new_tokens": new_tokens, "threads": threads, "eos": eos, "pad": pad}
+    (tmp / "hf_spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, "-m", "specstream.pipeline.bench_spec_real", "--hf-worker",
+                           str(tmp / "hf_spec.json"), str(tmp / "hf_out.json")], text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the Hugging Face benchmark process failed (exit {proc.returncode})")
+    return json.loads((tmp / "hf_out.json").read_text())
+
+
+# -- ours ------------------------------------------------------------------------------------------------------
+
+
+def _engine(target: Path, draft: Path, tree: str | None, drafts: str | None, slots: int, max_len: int):
+    from specstream.stages.speculative.drafters.model import TreeSpec
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+    config = EngineConfig(num_slots=slots, max_len=max_len, tree=TreeSpec.parse(tree or "1"))
+    return SpeculativeEngine.from_checkpoints(target, [draft] if drafts else [], ngram=drafts == "draft+ngram",
+                                              config=config)
+
+
+def run_ours(name: str, target: Path, draft: Path, ids: dict, loads: dict, new_tokens: int,
+             max_len: int, log) -> dict:
+    tree, drafts = CONFIGS[name]
+    slots = max(len(p) for p in loads.values())
+    engine = _engine(target, draft, tree, drafts, slots, max_len)
+    speculate = drafts is not None
+    engine.generate([ids[loads[next(iter(loads))][0]]], 2, speculate=speculate)  # warm-up
+    per = {}
+    for wname, prompts in loads.items():
+        t = time.perf_counter()
+        reqs = engine.generate([ids[p] for p in prompts], new_tokens, speculate=speculate)
+        secs = time.perf_counter() - t
+        outs = [r.output_ids for r in reqs]
+        steps = sum(r.stats.target_steps for r in reqs)
+        per[wname] = {"s": secs, "outputs": outs, "tau": sum(map(len, outs)) / max(1, steps),
+                      "target_steps": steps}
+        log(f"{name} {wname}: {sum(map(len, outs)) / secs:.2f} tokens/s tau={per[wname]['tau']:.2f}")
+    del engine
+    gc.collect()
+    return per
+
+
+def host_time_per_step(target: Path, draft: Path, prompts: list[list[int]], steps: int) -> dict:
+    """Step wall time and the host share (step minus model forwards) at batch ``len(prompts)`` with SpecInfer's
+    21-node tree, from a ``torch.profiler`` trace: ``engine_step`` ranges around ``engine.step()`` and
+    ``model_forward`` ranges around every decoder ``forward_batch`` (target and draft)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from specstream.stages.speculative.models.llama import LlamaDecoder
+
+    new_tokens = 22 * (steps + 1)  # a step commits at most the tree's depth + 1 tokens
+    engine = _engine(target, draft, PROFILE_TREE, "draft", len(prompts), max(map(len, prompts)) + new_tokens + 32)
+    original = LlamaDecoder.forward_batch
+
+    def timed_forward(self, *args, **kwargs):
+        with record_function("model_forward"):
+            return original(self, *args, **kwargs)
+
+    LlamaDecoder.forward_batch = timed_forward
+    try:
+        for p in prompts:
+            engine.add_request(engine.make_request(p, new_tokens))
+        engine.step()  # the prefill step is not a decode step
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                if not engine.has_work():
+                    break
+                with record_function("engine_step"):
+                    engine.step()
+    finally:
+        LlamaDecoder.forward_batch = original
+    events = [e for e in prof.events() if e.name in ("engine_step", "model_forward")]
+    step_ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == "engine_step"]
+    forwards = [(e.time_range.start, e.time_range.end) for e in events if e.name == "model_forward"]
+    rows = []
+    for start, end in step_ranges:
+        inside = sum(min(b, end) - max(a, start) for a, b in forwards if a < end and b > start)
+        rows.append({"step_ms": (end - start) / 1e3, "forward_ms": inside / 1e3,
+                     "host_ms": (end - start - inside) / 1e3})
+    del engine
+    gc.collect()
+    total = sum(r["step_ms"] for r in rows) or 1.0
+    return {"batch": len(prompts), "tree": PROFILE_TREE, "nodes": 21, "steps": rows,
+            "mean_step_ms": total / max(1, len(rows)),
+            "host_fraction": sum(r["host_ms"] for r in rows) / total}
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+
+
+def run(args) -> dict:
+    import tempfile
+
+    import torch
+
+    from specstream.stages.speculative.models.loader import resolve_checkpoint
+
+    torch.set_num_threads(args.threads)
+    show = False if args.no_progress else None
+    target = resolve_checkpoint(TARGET, show_progress=show).path
+    draft = resolve_checkpoint(DRAFT, show_progress=show).path
+    names = args.prompt_names
+    ids = prompt_ids(target, names)
+    loads = workloads(names, not args.no_batch)
+    configs = args.configs
+    ours_names = [c for c in configs if c in CONFIGS]
+    hf_names = [c for c in configs if c in HF_CONFIGS]
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    max_len = max(len(v) for v in ids.values()) + args.max_new_tokens + 32
+    results: dict = {"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "dtype": "float32",
+                     "new_tokens": args.max_new_tokens, "target": TARGET, "draft": DRAFT,
+                     "prompts": {n: PROMPTS[n] for n in names}, "prompt_tokens": {n: len(v) for n, v in ids.items()},
+                     "workloads": loads, "configs": {}}
+    eos = list(resolve_checkpoint(target).eos_token_ids())
+    pad = eos[-1]
+    if hf_names:
+        with tempfile.TemporaryDirectory(prefix="bench-hf-") as tmp:
+            hf = run_hf(target, draft, ids, loads, hf_names, args.max_new_tokens, args.threads, eos, pad, Path(tmp))
+        results["hf_load_s"] = hf["load_s"]
+        results["configs"].update(hf["configs"])
+    for name in ours_names:
+        results["configs"][name] = run_ours(name, target, draft, ids, loads, args.max_new_tokens, max_len, log)
+    if args.profile_steps and not args.no_batch:
+        batch = [ids[p] for p in loads[f"batch-{2 * len(names)}"]]
+        results["host_time"] = host_time_per_step(target, draft, batch, args.profile_steps)
+        log(f"host time per step: {100 * results['host_time']['host_fraction']:.1f}% of "
+            f"{results['host_time']['mean_step_ms']:.0f} ms")
+    summarize(results)
+    return results
+
+
+def summarize(results: dict) -> None:
+    """Add tokens/s, ratios and identity flags to every (configuration, workload) entry, in place."""
+    configs = results["configs"]
+    reference = None
+    if "hf/greedy" in configs:  # the outputs of each prompt alone
+        reference = {w: configs["hf/greedy"][w]["outputs"][0] for w, ps in results["workloads"].items()
+                     if len(ps) == 1}
+    for name, per in configs.items():
+        for wname, rec in per.items():
+            tokens = sum(len(o) for o in rec["outputs"])
+            rec["tokens"] = tokens
+            rec["tok_s"] = tokens / rec["s"] if rec["s"] > 0 else 0.0
+            if reference is not None:
+                prompts = results["workloads"][wname]
+                rec["identical"] = all(out == reference.get(p) for out, p in zip(rec["outputs"], prompts))
+    for name, per in configs.items():
+        for wname, rec in per.items():
+            base = configs.get("ours/no-spec", {}).get(wname)
+            assisted = configs.get("hf/assisted", {}).get(wname)
+            rec["vs_no_spec"] = rec["tok_s"] / base["tok_s"] if base and base["tok_s"] else None
+            rec["vs_hf_assisted"] = rec["tok_s"] / assisted["tok_s"] if assisted and assisted["tok_s"] else None
+
+
+def markdown(results: dict) -> str:
+    """The results as markdown tables (one per workload, then the host-time line)."""
+    lines = [f"Real pair ({results['target']} target, {results['draft']} draft), {results['dtype']}, "
+             f"{results['threads']} threads, {results['new_tokens']} new tokens per request, {results['date']}.", ""]
+    for wname, prompts in results["workloads"].items():
+        lines += [f"**{wname}** ({', '.join(prompts)})", "",
+                  "| configuration | tokens/s | tau | vs ours/no-spec | vs HF assisted | identical to HF greedy |",
+                  "|---|---|---|---|---|---|"]
+        for name, per in results["configs"].items():
+            rec = per.get(wname)
+            if rec is None:
+                continue
+
+            def ratio(x):
+                return f"{x:.2f}x" if x is not None else "–"
+
+            tau = f"{rec['tau']:.2f}" if "tau" in rec else "–"
+            same = {True: "yes", False: "**no**", None: "–"}[rec.get("identical")]
+            lines.append(f"| {name} | {rec['tok_s']:.2f} | {tau} | {ratio(rec['vs_no_spec'])} | "
+                         f"{ratio(rec['vs_hf_assisted'])} | {same} |")
+        lines.append("")
+    host = results.get("host_time")
+    if host:
+        lines.append(f"Host time per step at batch {host['batch']} with {host['nodes']}-node trees: "
+                     f"{100 * host['host_fraction']:.1f}% of a {host['mean_step_ms']:.0f} ms step "
+                     f"({len(host['steps'])} steps profiled).")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'specstream[bench]')", file=sys.stderr)
+        return
+    loads = list(results["workloads"])
+    names = list(results["configs"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(loads)), 4))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        xs = [j + i * width for j in range(len(loads))]
+        ys = [results["configs"][name].get(w, {}).get("tok_s", 0.0) for w in loads]
+        ax.bar(xs, ys, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))])
+    ax.set_xticklabels(loads)
+    ax.set_ylabel("tokens/s (decode, float32)")
+    ax.set_title(f"Qwen2.5-Coder 1.5B/0.5B, {results['threads']} threads, {results['new_tokens']} new tokens")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_spec_real.json").write_text(json.dumps(results, indent=1))
+    (out / "bench_spec_real.md").write_text(markdown(results))
+    plot(results, out / "bench_spec_real.png")
+
+
+def main(args) -> int:
+    """``specstream bench spec --real`` (arguments from the CLI's ``bench spec`` parser)."""
+    if args.table_from:
+        results = json.loads(Path(args.table_from).read_text())
+        print(markdown(results))
+        return 0
+    if args.quick:
+        args.prompt_names = args.prompt_names or ["code"]
+        args.max_new_tokens = min(args.max_new_tokens, 4)
+        args.profile_steps = min(args.profile_steps, 2)
+    args.prompt_names = args.prompt_names or list(PROMPTS)
+    args.configs = args.configs or [*HF_CONFIGS, *CONFIGS]
+    unknown = [c for c in args.configs if c not in CONFIGS and c not in HF_CONFIGS]
+    bad_prompts = [p for p in args.prompt_names if p not in PROMPTS]
+    if unknown or bad_prompts:
+        print(f"error: unknown configurations {unknown} / prompts {bad_prompts}; configurations: "
+              f"{', '.join([*HF_CONFIGS, *CONFIGS])}; prompts: {', '.join(PROMPTS)}", file=sys.stderr)
+        return 2
+    results = run(args)
+    write(results, args.out)
+    print(markdown(results))
+    flags = [rec.get("identical") for per in results["configs"].values() for rec in per.values()]
+    return 0 if all(f is not False for f in flags) else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--real`` options of ``specstream bench spec``."""
+    parser.add_argument("--real", action="store_true",
+                        help="the real Qwen2.5-Coder 1.5B/0.5B pair against Hugging Face (fetched and converted on "
+                             "first use)")
+    parser.add_argument("--prompt-set", dest="prompt_names", type=lambda s: [x for x in s.split(",") if x],
+                        default=None, help=f"--real: prompts, comma-separated (default: all of {', '.join(PROMPTS)})")
+    parser.add_argument("--configs", type=lambda s: [x for x in s.split(",") if x], default=None,
+                        help=f"--real: configurations, comma-separated (default: all of "
+                             f"{', '.join([*HF_CONFIGS, *CONFIGS])})")
+    parser.add_argument("--no-batch", action="store_true", help="--real: skip the batch workload")
+    parser.add_argument("--threads", type=int, default=2, help="--real: torch intra-op threads (default 2)")
+    parser.add_argument("--profile-steps", type=int, default=8,
+                        help="--real: decode steps profiled for the host time per step (0: none)")
+    parser.add_argument("--no-progress", action="store_true", help="--real: no fetch/convert progress bars")
+    parser.add_argument("--table-from", type=Path, default=None,
+                        help="--real: print the markdown tables of an earlier results JSON and exit")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--hf-worker":
+        sys.exit(hf_worker(sys.argv[2], sys.argv[3]))
+    print("usage: specstream bench spec --real [options]", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,40 @@
+"""``specstream bench spec --real``: the summary arithmetic and the tables, on a hand-made result (the benchmark
+itself needs the real weights and runs on a quiet machine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specstream.pipeline.bench_spec_real import markdown, summarize, workloads
+
+
+def _result():
+    loads = workloads(["code", "prose"], batch=True)
+    assert loads == {"code": ["code"], "prose": ["prose"], "batch-4": ["code", "code", "prose", "prose"]}
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+
+    def rec(s, outs, tau=None):
+        return {"s": s, "outputs": outs, **({"tau": tau} if tau else {})}
+
+    return {"date": "2026-12-01", "threads": 2, "dtype": "float32", "new_tokens": 4, "target": "t", "draft": "d",
+            "workloads": loads, "configs": {
+                "hf/greedy": {"code": rec(4.0, [a]), "prose": rec(4.0, [b]), "batch-4": rec(8.0, [a, a, b, b])},
+                "hf/assisted": {"code": rec(2.0, [a]), "prose": rec(4.0, [b]), "batch-4": rec(12.0, [a, a, b, b])},
+                "ours/no-spec": {"code": rec(2.0, [a], 1.0), "prose": rec(2.0, [b], 1.0),
+                                 "batch-4": rec(4.0, [a, a, b, b], 1.0)},
+                "ours/specinfer": {"code": rec(1.0, [a], 4.0), "prose": rec(2.0, [b[:3] + [9]], 2.0),
+                                   "batch-4": rec(2.0, [a, a, b, b], 3.0)}}}
+
+
+def test_summary_ratios_and_identity():
+    res = _result()
+    summarize(res)
+    spec = res["configs"]["ours/specinfer"]
+    assert spec["code"]["tok_s"] == 4.0 and spec["code"]["vs_no_spec"] == 2.0 and spec["code"]["vs_hf_assisted"] == 2.0
+    assert spec["batch-4"]["tok_s"] == 8.0 and spec["batch-4"]["vs_hf_assisted"] == pytest.approx(8.0 / (16 / 12))
+    assert spec["code"]["identical"] is True and spec["prose"]["identical"] is False
+    assert res["configs"]["hf/greedy"]["batch-4"]["identical"] is True
+    table = markdown(res)
+    assert "| ours/specinfer | 4.00 | 4.00 | 2.00x | 2.00x | yes |" in table
+    assert "| ours/specinfer | 2.00 | 2.00 | 1.00x | 2.00x | **no** |" in table
+    assert "| hf/assisted | 2.00 | – | 1.00x | 1.00x | yes |" in table
