@@ -398,25 +398,31 @@ class Captioner:
             self.engine.executor.prefix_embeds[rid] = self.vlm.prompt_embeds(prep, f)
 
     def make_request(self, prepared, max_new_tokens: int, qos: str = "interactive",
-                     hypothesis: list[int] | None = None) -> Request:
-        """A caption request for one prepared image (not yet queued); :meth:`forget` it if it is never run.
+                     hypothesis: list[int] | None = None, *, sampling=None, logprobs: bool = False,
+                     logits_processors=()) -> Request:
+        """A request for one prepared prompt (its images, one or several, or none; not yet queued); :meth:`forget`
+        it if it is never run. ``sampling`` (default greedy), ``logprobs`` and ``logits_processors`` are passed to
+        ``SpeculativeEngine.make_request``.
 
         Raises:
             ContextLengthError: the prompt with its image tokens leaves no room for a new token.
             InvalidRequestError: see ``SpeculativeEngine.make_request``.
         """
         rid = f"cap-{next(self._ids)}"
-        item = EncodeItem(f"{rid}/img", "image", 1.0)
+        item = EncodeItem(f"{rid}/img", "image", float(max(1, prepared.num_images)))
         span = None
         if self.export_attention and prepared.visual_positions:
             pos = prepared.visual_positions
             if pos[-1] - pos[0] + 1 == len(pos):
                 span = (pos[0], pos[-1] + 1)
-        req = self.engine.make_request(prepared.input_ids, max_new_tokens, request_id=rid, qos=qos,
-                                       encodes=(item,), draft_prompt_ids=prepared.draft_ids, visual_span=span,
+        req = self.engine.make_request(prepared.input_ids, max_new_tokens, sampling, request_id=rid, qos=qos,
+                                       encodes=(item,) if prepared.num_images else (),
+                                       draft_prompt_ids=prepared.draft_ids, visual_span=span, logprobs=logprobs,
+                                       logits_processors=logits_processors,
                                        draft_hypothesis=tuple(hypothesis) if self.temporal is not None and hypothesis
                                        else None)
-        self._media[item.item_id] = (rid, prepared)  # only once the request is valid: nothing to undo before
+        if prepared.num_images:
+            self._media[item.item_id] = (rid, prepared)  # only once the request is valid: nothing to undo before
         return req
 
     def forget(self, request_id: str) -> None:
