@@ -99,6 +99,12 @@ class KafkaSettings(BaseSettings):
     # models (the caption stage)
     target: str | None = Field(None, description="VLM checkpoint (default: the built-in tiny model)")
     draft: list[str] = Field(default_factory=list)
+    # models of the QA stage (video_qa, transcribe, generate), loaded on first use
+    text_model: str | None = Field(None, description="text model (video_qa answer_with=text, generate model=text)")
+    text_draft: list[str] = Field(default_factory=list)
+    speech_model: str | None = Field(None, description="Whisper checkpoint (default: tiny.en)")
+    clip_model: str | None = Field(None, description="open_clip architecture or model-config JSON")
+    clip_pretrained: str | None = Field(None, description="local weights file of clip_model")
     num_slots: int = 8
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16"] = "float32"

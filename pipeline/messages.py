@@ -38,16 +38,75 @@ class CaptionParams(BaseModel):
     max_keyframes_per_minute: float | None = Field(None, gt=0)
 
 
+class Question(BaseModel):
+    """One question about a video (``video_qa``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=256)
+    text: str = Field(max_length=16384, description="an empty text gets an 'empty_question' error result")
+    draft_tokens: list[int] | None = Field(None, max_length=4096, description=(
+        "token ids to draft the answer from (a resumed job passes the previous question's answer); default: the "
+        "previous answer of this request"))
+
+
+class QaParams(BaseModel):
+    """Params of a ``video_qa`` request: one result per question, in order (``seq`` = the question's index)."""
+
+    model_config = ConfigDict(extra="forbid")
+    video_id: str | None = Field(None, max_length=256, description="the manifest's video id (default: the request id)")
+    questions: list[Question] = Field(min_length=1, max_length=4096)
+    max_frames: int = Field(4, ge=1, le=64, description="frames shown per question, at most")
+    max_visual_tokens: int | None = Field(None, ge=1, description="visual tokens per question, at most")
+    max_new_tokens: int = Field(32, ge=1, le=4096)
+    max_transcript_tokens: int = Field(256, ge=0, description="transcript tokens in a prompt, at most")
+    use_transcript: bool = True
+    answer_with: Literal["vlm", "text"] = Field("vlm", description="text: the text model, from the transcript")
+    max_keyframes_per_minute: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _unique_questions(self):
+        ids = [q.id for q in self.questions]
+        if len(set(ids)) != len(ids):
+            raise ValueError("question ids must be unique within a request")
+        return self
+
+
+class TranscribeParams(BaseModel):
+    """Params of a ``transcribe`` request (one result: the transcript with segment times)."""
+
+    model_config = ConfigDict(extra="forbid")
+    language: str | None = Field(None, max_length=16, description="None: the model's default or detection")
+
+
+class GenerateParams(BaseModel):
+    """Params of a ``generate`` request: a text prompt (with the request's image source, if any, shown before it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: str = Field(min_length=1, max_length=1 << 20)
+    chat: bool = Field(True, description="apply the model's chat template (False: the prompt as it is)")
+    model: Literal["vlm", "text"] = "vlm"
+    max_new_tokens: int = Field(32, ge=1, le=4096)
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = 0
+
+
 class PipelineRequest(BaseModel):
-    """A request on ``specstream.requests``."""
+    """A request on ``specstream.requests``. ``source`` is required except for ``generate`` (a text prompt)."""
 
     model_config = ConfigDict(extra="forbid")
     schema_version: int = SCHEMA_VERSION
     id: str = Field(min_length=1, max_length=256)
     task: Task = "caption"
-    source: Source
+    source: Source | None = None
     qos: Qos = "interactive"
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _source_needed(self):
+        if self.source is None and self.task != "generate":
+            raise ValueError(f"task {self.task!r} needs a source")
+        return self
 
 
 class CaptionRecord(BaseModel):
@@ -87,8 +146,10 @@ class PipelineResult(BaseModel):
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:
-    """JSON Schema of each wire message: request, its caption params, result, and a caption result's output."""
+    """JSON Schema of each wire message: request, the params of each task, result, and a caption result's output."""
     return {"request": PipelineRequest.model_json_schema(), "caption_params": CaptionParams.model_json_schema(),
+            "video_qa_params": QaParams.model_json_schema(), "transcribe_params": TranscribeParams.model_json_schema(),
+            "generate_params": GenerateParams.model_json_schema(),
             "result": PipelineResult.model_json_schema(), "caption_record": CaptionRecord.model_json_schema()}
 
 

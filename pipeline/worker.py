@@ -2,7 +2,9 @@
 
 ``--stages keyframes`` consumes requests (and live frame streams) and publishes frame tasks; ``--stages
 caption`` consumes frame tasks (vision encode + speculative decode in one process: visual tokens never travel)
-and publishes results; ``all`` runs both in one process (still two consumer groups). Kafka edges carry media
+and publishes results; ``all`` runs both in one process (still two consumer groups). The process that consumes
+requests also answers ``video_qa``, ``transcribe`` and ``generate`` requests itself (keyframes, transcription and
+decoding in one process; one result per question). Kafka edges carry media
 and text only: frame tasks carry PNG (lossless, the default) or JPEG bytes.
 
 Bad input: a request message with a usable ``id`` gets a final error result (``schema_violation``,
@@ -42,11 +44,21 @@ from specstream.errors import (
 from specstream.pipeline import broker as topics
 from specstream.pipeline.broker import Message
 from specstream.pipeline.kafka import CaptionChainStore, Codec, KafkaBroker, KafkaSettings, StateStore
-from specstream.pipeline.messages import CaptionParams, ErrorInfo, PipelineRequest, PipelineResult, Task
+from specstream.pipeline.messages import (
+    CaptionParams,
+    ErrorInfo,
+    GenerateParams,
+    PipelineRequest,
+    PipelineResult,
+    QaParams,
+    Task,
+    TranscribeParams,
+)
 
 log = logging.getLogger("specstream.worker")
 
 FRAME_META_HEADER = "specstream.frame"
+PARAMS = {"caption": CaptionParams, "video_qa": QaParams, "transcribe": TranscribeParams, "generate": GenerateParams}
 STAGE_EXIT_S = 5.0  # after a drain, how long stages may take to return before they are cancelled
 
 
@@ -79,8 +91,7 @@ def decode_request(data: bytes | None, headers: dict[str, str]) -> PipelineReque
                          "unsupported task")
     try:
         req = PipelineRequest.model_validate(obj)
-        if req.task == "caption":
-            CaptionParams(**req.params)
+        PARAMS[req.task](**req.params)
     except (ValidationError, TypeError) as exc:
         first = exc.errors()[0] if isinstance(exc, ValidationError) else {"msg": str(exc), "loc": ()}
         where = ".".join(str(p) for p in first.get("loc", ()))
@@ -175,7 +186,20 @@ class Worker:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.broker.close()
+        await self._stop_loops()
         return drained
+
+    async def _stop_loops(self) -> None:
+        """Stop the device loops the stages ran in (each once; a stopped loop's thread has exited)."""
+        loops = []
+        qa = self.stages.get("qa")
+        if qa is not None and qa.hub._loop is not None:
+            loops.append(qa.hub.loop)
+        cap = self.stages.get("caption")
+        if cap is not None:
+            loops.append(cap.loop)
+        for lp in {id(lp): lp for lp in loops}.values():
+            await asyncio.to_thread(lp.stop, 30.0)
 
 
 async def start_worker(settings: KafkaSettings, captioner=None) -> Worker:
@@ -248,14 +272,22 @@ async def _connect(broker: KafkaBroker, specs: list[tuple[str, dict[str, str]]])
 
 async def _start_stages(worker: Worker, broker: KafkaBroker, store: StateStore, captioner, run_kf: bool,
                         run_cap: bool) -> None:
+    from specstream.pipeline.routing import TaskRouter
     from specstream.stages.caption import CaptionStage, KeyframeStage
     from specstream.stages.live import LiveKeyframeStage
+    from specstream.stages.qa import QA_TASKS, QaStage
 
     s = worker.settings
     live = None
     if run_kf:
         live = LiveKeyframeStage(broker, store, topics.TOPIC_LIVE_FRAMES, dead_letter=broker.dead_letter)
-        worker.stages["keyframes"] = KeyframeStage(broker, s.allowed_roots or None, max_source_bytes=s.max_source_bytes)
+        # the requests topic carries captions (keyframe stage) and video_qa / transcribe / generate (QA stage)
+        router = TaskRouter(broker)
+        worker.stages["keyframes"] = KeyframeStage(router.view("caption"), s.allowed_roots or None,
+                                                   max_source_bytes=s.max_source_bytes)
+        worker.stages["qa"] = QaStage(router.view("qa", QA_TASKS), _build_hub(s, captioner), s.allowed_roots or None,
+                                      max_source_bytes=s.max_source_bytes)
+        worker.stages["router"] = router
         worker.stages["live"] = live
         g = broker.group_of(topics.TOPIC_REQUESTS)
 
@@ -292,6 +324,23 @@ def _build_captioner(s: KafkaSettings, TreeSpec):
     return Captioner(target, drafts, TreeSpec(), num_slots=s.num_slots, dtype=s.dtype, device=s.device)
 
 
+def _build_hub(s: KafkaSettings, captioner=None):
+    """The QA stage's models (loaded on the first request that needs each). With a captioner (``stages=all``) the
+    hub serves that VLM runner in the captioner's device loop: one copy of the model, one loop per device."""
+    from specstream.pipeline.defaults import default_caption_models
+    from specstream.stages.serving import HubConfig, ModelHub
+
+    target, drafts, name = s.target, tuple(s.draft), None
+    if target is None:
+        t, d = default_caption_models(quiet=True)
+        target, drafts, name = str(t), drafts or (str(d),), "specstream-tiny-llava"
+    return ModelHub(HubConfig(vlm=target, vlm_drafts=drafts, vlm_name=name, text_model=s.text_model,
+                              text_drafts=tuple(s.text_draft), speech_model=s.speech_model, clip_model=s.clip_model,
+                              clip_pretrained=s.clip_pretrained, num_slots=s.num_slots, dtype=s.dtype,
+                              device=s.device),
+                    loop=captioner.loop if captioner is not None else None, captioner=captioner)
+
+
 async def run_worker(settings: KafkaSettings, stop: asyncio.Event | None = None) -> int:
     """Run until SIGTERM/SIGINT (or ``stop``), then drain and commit. Returns the exit code."""
     stop = stop or asyncio.Event()
@@ -318,6 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file:// sources must lie under this directory (repeatable; env: JSON list)")
     p.add_argument("--target", help="VLM checkpoint for the caption stage (default: built-in tiny model)")
     p.add_argument("--draft", action="append", help="draft checkpoint (repeatable)")
+    p.add_argument("--text-model", help="text model for video_qa answer_with=text and generate model=text")
+    p.add_argument("--text-draft", action="append", help="draft of --text-model (repeatable)")
+    p.add_argument("--speech-model", help="Whisper checkpoint for video_qa and transcribe (default: tiny.en)")
+    p.add_argument("--clip-model", help="open_clip architecture or model-config JSON: video_qa frames by similarity")
+    p.add_argument("--clip-pretrained", help="local weights file of --clip-model")
     p.add_argument("--max-in-flight", type=int)
     p.add_argument("--max-poll-interval-ms", type=int)
     p.add_argument("--partitions", type=int, help="partitions of the topics the worker creates")

@@ -293,6 +293,10 @@ PASSTHROUGH = {
                   "specstream.pipeline.models_fetch:models_main"),
     ("serve",): ("HTTP + WebSocket API: live subtitles, captions, health, metrics",
                  "specstream.pipeline.server:serve_main"),
+    ("qa",): ("answer questions about videos (manifest JSONL -> answers JSONL), resumable; --broker for Kafka",
+              "specstream.pipeline.qa_job:qa_main"),
+    ("bench", "qa"): ("video QA: questions/minute, time shares, tau with and without transcript/n-gram drafts, "
+                      "throughput over 1, 2, 4 Kafka workers", "specstream.pipeline.bench_qa:bench_qa_main"),
     ("bench", "subtitles"): ("live subtitles: final latency, pass times, RTF, drafted steps, concurrent streams",
                              "specstream.pipeline.bench_subtitles:bench_subtitles_main"),
 }

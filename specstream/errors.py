@@ -139,9 +139,51 @@ class SchemaViolationError(InvalidRequestError):
 
 
 class UnsupportedTaskError(InvalidRequestError):
-    """The request's ``task`` is not one this worker serves (so far only ``caption``)."""
+    """The request's ``task`` is not one this worker (or stage) serves."""
 
     code = "unsupported_task"
+
+
+class ModelNotLoadedError(InvalidRequestError):
+    """The request names a model this process does not serve: not configured, or it failed to load
+    (``GET /v1/models`` lists those it does)."""
+
+    code = "model_not_loaded"
+
+
+class UnsupportedParameterError(InvalidRequestError):
+    """A request parameter has a value this server does not implement (e.g. ``n > 1``, tools, an http(s) media
+    URL); the message names the parameter."""
+
+    code = "unsupported_parameter"
+
+
+# --- batch video question answering (pipeline/qa_job.py, stages/qa.py) ----------------------------------------
+
+
+class EmptyQuestionError(InvalidRequestError):
+    """A question whose text is empty or only whitespace; the other questions of its video are answered."""
+
+    code = "empty_question"
+
+
+class ManifestLineTooLargeError(InvalidRequestError):
+    """A manifest line longer than the limit (1 MiB); it is not parsed, the other lines go on."""
+
+    code = "manifest_line_too_large"
+
+
+class InvalidManifestLineError(InvalidRequestError):
+    """A manifest line that is not a JSON object of the manifest's shape (``{"id", "video", "questions":
+    [{"id", "text"}, ...]}``), or that repeats a video id or a question id."""
+
+    code = "invalid_manifest_line"
+
+
+class NoTranscriptError(InvalidRequestError):
+    """Answering from the transcript alone (a text model) but the video has no audio track or no speech."""
+
+    code = "no_transcript"
 
 
 class BrokerUnreachableError(SpecstreamError):
@@ -177,9 +219,3 @@ class InsufficientSpaceError(SpecstreamError):
     """Too little free disk space for a download or conversion; nothing was started."""
 
     code = "insufficient_space"
-
-
-class ModelNotLoadedError(InvalidRequestError):
-    """The request names a model this process does not serve (not configured, or it failed to load)."""
-
-    code = "model_not_loaded"

@@ -37,7 +37,7 @@ from specstream.errors import (
 from specstream.modalities.source import open_source
 from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, Broker, Message
 from specstream.pipeline.messages import CaptionParams, ErrorInfo, PipelineRequest, PipelineResult
-from specstream.schedulers.plan import EncodeItem, EncodeWork, Request
+from specstream.schedulers.plan import Request
 
 log = logging.getLogger("specstream.caption")
 
@@ -413,20 +413,20 @@ class Captioner:
 
     def _prefill_inputs(self, state) -> None:
         """The runner's prefill hook: the request's image features spliced into its prompt embeddings."""
-        mm = [m for m in state.request.mm_inputs if m.item_id in state.mm_outputs]
-        if len(mm) == 1:
-            state.prefix_embeds = self.vlm.prompt_embeds(mm[0].data, state.mm_outputs[mm[0].item_id])
-        elif mm:
-            state.prefix_embeds = self.vlm.prompt_embeds_many([m.data for m in mm],
-                                                              [state.mm_outputs[m.item_id] for m in mm])
+        for m in state.request.mm_inputs:  # one input per prompt: all its images (vlm.encode concatenates them)
+            if m.item_id in state.mm_outputs:
+                state.prefix_embeds = self.vlm.prompt_embeds(m.data, state.mm_outputs[m.item_id])
 
     @property
     def executor(self):
         return self.runner.executor
 
     def make_request(self, prepared, max_new_tokens: int, qos: str = "interactive",
-                     hypothesis: list[int] | None = None) -> Request:
-        """A caption request for one prepared image (not yet queued).
+                     hypothesis: list[int] | None = None, *, sampling=None, logprobs: bool = False,
+                     logits_processors=()) -> Request:
+        """A request for one prepared prompt (its images, one or several, or none; not yet queued). Its images
+        travel as one multimodal input, encoded by the runner's image encoder. ``sampling`` (default greedy),
+        ``logprobs`` and ``logits_processors`` are passed to ``ModelRunner.make_request``.
 
         Raises:
             ContextLengthError: the prompt with its image tokens leaves no room for a new token.
@@ -440,10 +440,13 @@ class Captioner:
             pos = prepared.visual_positions
             if pos[-1] - pos[0] + 1 == len(pos):
                 span = (pos[0], pos[-1] + 1)
-        image = MMInput(f"{rid}/img", "image", prepared, 1.0, len(prepared.visual_positions or ())
-                        * self.vlm.decoder.config.hidden_size * 4)
-        return self.runner.make_request(prepared.input_ids, max_new_tokens, request_id=rid, qos=qos,
-                                        mm_inputs=(image,), draft_prompt_ids=prepared.draft_ids, visual_span=span,
+        mm = ()
+        if prepared.num_images:
+            mm = (MMInput(f"{rid}/img", "image", prepared, float(prepared.num_images),
+                          len(prepared.visual_positions or ()) * self.vlm.decoder.config.hidden_size * 4),)
+        return self.runner.make_request(prepared.input_ids, max_new_tokens, sampling, request_id=rid, qos=qos,
+                                        mm_inputs=mm, draft_prompt_ids=prepared.draft_ids, visual_span=span,
+                                        logprobs=logprobs, logits_processors=logits_processors,
                                         draft_hypothesis=tuple(hypothesis) if self.temporal is not None
                                         and hypothesis else None)
 

@@ -167,6 +167,7 @@ class DeviceLoop:
         self._submitted: list[tuple[Request, _Entry, dict]] = []
         self._cancels: list[str] = []
         self._adds: list = []
+        self._calls: list = []
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.failed: dict[str, str] = {}  # model name -> why it could not be loaded (its endpoints are down)
@@ -200,6 +201,21 @@ class DeviceLoop:
             self.scheduler.add_modality(modality)
         self.runners[runner.name] = runner
         self.failed.pop(runner.name, None)
+
+    def call(self, fn, *args, **kwargs):
+        """Run ``fn(*args, **kwargs)`` on the device loop's thread, between two steps, and return its result (the
+        caller's thread waits). Device work that is not a decoder step — an offline transcription's encoder
+        window, a teacher-forced scoring forward, image-text embeddings — runs here, so it never overlaps a step.
+        Inline when the loop is not started or when called from its own thread."""
+        if self._thread is None or threading.get_ident() == self._thread.ident:
+            return fn(*args, **kwargs)
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._calls.append((fn, args, kwargs, fut))
+            self._lock.notify()
+        return fut.result()
 
     def mark_failed(self, model: str, why: str) -> None:
         """Record that ``model`` could not be loaded: requests for it are refused naming why (``/readyz`` too)."""
@@ -383,33 +399,37 @@ class DeviceLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit_threadsafe(self, request: Request, on_tokens: TokenCallback | None = None, **add_kwargs):
+    def submit_threadsafe(self, request: Request, on_tokens: TokenCallback | None = None,
+                          on_admitted: Callable[[], None] | None = None, **add_kwargs):
         """Queue ``request`` from any thread; returns a ``concurrent.futures.Future`` resolved with the finished
         request (check ``.error``), or failed with the refusal (``CapacityError``, ``ModelNotLoadedError``, ...).
-        ``on_tokens`` runs in the device thread."""
+        ``on_tokens`` and ``on_admitted`` (once the scheduler took the request) run in the device thread."""
         import concurrent.futures
 
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._thread is None:
             raise RuntimeError("the device loop is not started")
         with self._lock:
-            self._submitted.append((request, _Entry(request.model, on_tokens, fut), add_kwargs))
+            self._submitted.append((request, _Entry(request.model, on_tokens, fut), dict(add_kwargs,
+                                                                                          _admitted=on_admitted)))
             self._lock.notify()
         return fut
 
-    async def submit(self, request: Request, on_tokens: TokenCallback | None = None, **add_kwargs) -> Request:
-        """Queue ``request`` from an asyncio task and wait for it to finish. ``on_tokens`` runs in the caller's
-        event loop. Cancelling the awaiting task cancels the request (its slot is freed).
+    async def submit(self, request: Request, on_tokens: TokenCallback | None = None,
+                     on_admitted: Callable[[], None] | None = None, **add_kwargs) -> Request:
+        """Queue ``request`` from an asyncio task and wait for it to finish. ``on_tokens`` and ``on_admitted``
+        (once the scheduler took the request) run in the caller's event loop. Cancelling the awaiting task cancels
+        the request (its slot is freed).
 
         Raises:
             The refusal of the request (``CapacityError``, ``ModelNotLoadedError``, ``InvalidRequestError``).
         """
         aio = asyncio.get_running_loop()
-        cb = None
-        if on_tokens is not None:
-            def cb(req, toks, _f=on_tokens):
-                aio.call_soon_threadsafe(_f, req, toks)
-        fut = self.submit_threadsafe(request, cb, **add_kwargs)
+        cb = None if on_tokens is None else (
+            lambda req, toks, _f=on_tokens: aio.call_soon_threadsafe(_f, req, toks))
+        admitted = None if on_admitted is None else (lambda _f=on_admitted: aio.call_soon_threadsafe(_f))
+        self.start()
+        fut = self.submit_threadsafe(request, cb, admitted, **add_kwargs)
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -422,7 +442,13 @@ class DeviceLoop:
                 submitted, self._submitted = self._submitted, []
                 cancels, self._cancels = self._cancels, []
                 adds, self._adds = self._adds, []
+                calls, self._calls = self._calls, []
                 stopping = self._stopping
+            for fn, args, kwargs, fut in calls:
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except BaseException as exc:
+                    fut.set_exception(exc)
             for runner, done in adds:
                 try:
                     self._add_runner_now(runner)
@@ -430,11 +456,15 @@ class DeviceLoop:
                 except Exception as exc:
                     done.set_exception(exc)
             for req, entry, kw in submitted:
+                admitted = kw.pop("_admitted", None)
                 try:
                     self.add_request(req, entry.on_tokens, **kw)
                     self._entries[req.request_id].future = entry.future
                 except Exception as exc:  # a refused request fails alone
                     entry.future.set_exception(exc)
+                    continue
+                if admitted is not None:
+                    admitted()
             for rid in cancels:
                 self._cancel_now(rid)
             if self.has_work():
@@ -446,7 +476,7 @@ class DeviceLoop:
             if stopping:
                 return
             with self._lock:
-                if not self._submitted and not self._cancels and not self._adds and not self._stopping:
+                if not (self._submitted or self._cancels or self._adds or self._calls or self._stopping):
                     nxt = getattr(self.scheduler, "next_event_s", lambda: None)()
                     clock = getattr(self.scheduler, "clock", time.monotonic)
                     timeout = None if nxt is None else max(0.0, nxt - clock())

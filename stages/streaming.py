@@ -321,6 +321,7 @@ class SpeechService:
             loop = DeviceLoop([], sched, device=str(sm.decoder.device))
         loop.add_runner(self.runner)
         self.loop = loop
+        sm.bind(loop, name)  # offline transcriptions with this model run in the loop too
         self._ids = itertools.count()
         self._word_start: dict[int, bool] = {}
         self.encode_batches: list[tuple[int, float]] = []  # (batch size, seconds)

@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SUBCOMMANDS = ("caption", "generate", "transcribe", "simulate", "worker", "serve", "bench", "models")
+SUBCOMMANDS = ("caption", "generate", "transcribe", "simulate", "worker", "serve", "bench", "models", "qa")
 
 
 class _Parsed(BaseException):

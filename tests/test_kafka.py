@@ -258,8 +258,9 @@ def test_poison_messages_dlq_and_error_results(kafka_bootstrap, captioner, tmp_p
                                "params": {"max_new_tokens": "many"}}).encode(), "schema_violation"),
         "unknown-task": (json.dumps({"id": "unknown-task", "task": "translate", "source": {"uri": "/x"}}).encode(),
                          "unsupported_task"),
+        # a served task (the QA stage answers transcribe), refused for its source outside the allowed roots
         "transcribe": (json.dumps({"id": "transcribe", "task": "transcribe", "source": {"uri": "/x"}}).encode(),
-                       "unsupported_task"),
+                       "unreadable_source"),
         "missing": (request("missing", str(tmp_path / "nope.png")), "unreadable_source"),
         "outside": (request("outside", str(outside)), "unreadable_source"),
         "traversal": (request("traversal", str(tmp_path / ".." / "outside.png")), "unreadable_source"),

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specstream.errors import ContextLengthError, InvalidRequestError
 from specstream.kernels.sampling import SamplingParams
 from specstream.schedulers.fifo import FifoScheduler
 from specstream.schedulers.plan import Request

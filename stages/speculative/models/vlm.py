@@ -11,6 +11,7 @@ processor formats the chat prompt and expands ``<image>`` into as many image tok
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,23 +34,29 @@ def _vision_key(key: str) -> str | None:
 
 @dataclass
 class PreparedImage:
-    """One image + prompt, preprocessed by the checkpoint's processor.
+    """A prompt with its images (one or several, or none), preprocessed by the checkpoint's processor.
 
     Attributes:
         input_ids: prompt ids with the image tokens expanded, ``[n]``.
-        pixel_values: processor output for the vision tower (``[1, C, H, W]``, or ``[1, patches, C, H, W]``).
-        image_sizes: ``[1, 2]`` original (height, width) for OneVision, else None.
-        visual_positions: indices of the image tokens in ``input_ids`` (sorted).
-        grid: (rows, cols) of the base image's patch grid, for attention maps (None when unknown).
+        pixel_values: processor output for the vision tower, one entry per image (``[k, C, H, W]``, or
+            ``[k, patches, C, H, W]`` for OneVision); None for a prompt without images.
+        image_sizes: ``[k, 2]`` original (height, width) per image for OneVision, else None.
+        visual_positions: indices of the image tokens in ``input_ids`` (sorted; the images' tokens in image order).
+        grid: (rows, cols) of the first image's patch grid, for attention maps (None when unknown).
         draft_ids: the same prompt without the image tokens (what a text-only draft sees).
+        num_images: ``k``, the images in the prompt.
+        batch_num_images: ``[1]`` tensor holding ``k`` (OneVision: a prompt with several images shows each image
+            without its high-resolution tiles, as the Hugging Face processor expands it), else None.
     """
 
     input_ids: list[int]
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor | None
     image_sizes: torch.Tensor | None
     visual_positions: list[int]
     grid: tuple[int, int] | None
     draft_ids: list[int]
+    num_images: int = 1
+    batch_num_images: torch.Tensor | None = None
 
 
 class VisionLanguageModel:
@@ -103,59 +110,102 @@ class VisionLanguageModel:
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
 
     # -- prompts --------------------------------------------------------------------------------------------
-    def chat_prompt(self, text: str) -> str:
-        """The checkpoint's chat template applied to one user turn: an image, then ``text``."""
-        conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    def chat_prompt(self, text: str, num_images: int = 1) -> str:
+        """The checkpoint's chat template applied to one user turn: ``num_images`` images, then ``text``."""
+        content = [{"type": "image"} for _ in range(num_images)] + [{"type": "text", "text": text}]
+        return self.render_chat([{"role": "user", "content": content}])
+
+    def render_chat(self, conversation: list[dict]) -> str:
+        """The checkpoint's chat template applied to ``conversation`` (Hugging Face's format: ``{"role", "content":
+        [{"type": "image"} | {"type": "text", "text": ...}, ...]}`` per turn), with the generation prompt. Without a
+        template: ``<image>`` lines, then the text parts, per turn."""
         if getattr(self.processor, "chat_template", None):
             return self.processor.apply_chat_template(conversation, add_generation_prompt=True)
-        return f"<image>\n{text}"
+        out = []
+        for turn in conversation:
+            for part in turn["content"]:
+                out.append("<image>" if part["type"] == "image" else part["text"])
+        return "\n".join(out)
 
-    def prepare(self, image: np.ndarray, text: str) -> PreparedImage:
-        """Run the processor on one RGB ``[H, W, 3]`` uint8 image and a user prompt."""
+    def prepare(self, image: np.ndarray | Sequence[np.ndarray], text: str) -> PreparedImage:
+        """Run the processor on one RGB ``[H, W, 3]`` uint8 image (or a sequence of them) and a user prompt."""
+        images = [image] if isinstance(image, np.ndarray) else list(image)
+        return self.prepare_prompt(self.chat_prompt(text, len(images)), images)
+
+    def prepare_prompt(self, prompt: str, images: Sequence[np.ndarray] = ()) -> PreparedImage:
+        """Run the processor on a rendered prompt holding one image placeholder per image, in order, and the
+        images (RGB ``[H, W, 3]`` uint8). Several images are given to the processor as one sample (a nested list),
+        so each is expanded as the Hugging Face processor expands a multi-image prompt.
+
+        Raises:
+            ValueError: the number of placeholders and images differ (raised by the processor).
+        """
         from PIL import Image
 
-        pil = Image.fromarray(np.ascontiguousarray(image))
-        inputs = self.processor(images=[pil], text=[self.chat_prompt(text)], return_tensors="pt")
+        pils = [Image.fromarray(np.ascontiguousarray(im)) for im in images]
+        if pils:
+            inputs = self.processor(images=[pils], text=[prompt], return_tensors="pt")
+        else:
+            inputs = self.processor(text=[prompt], return_tensors="pt")
         ids = inputs["input_ids"][0].tolist()
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         draft_ids = [t for t in ids if t != self.image_token_id]
         grid = None
         vc = self.config.vision_config
+        side = vc.image_size // vc.patch_size
         if self.model_type == "llava":
-            side = vc.image_size // vc.patch_size
-            if side * side == len(positions):
+            if pils and side * side * len(pils) == len(positions):
                 grid = (side, side)
-        else:
-            side = vc.image_size // vc.patch_size
+        elif pils:
             grid = (side, side)  # the base image's grid (the first side*side features before the tiles)
-        return PreparedImage(ids, inputs["pixel_values"], inputs.get("image_sizes"), positions, grid, draft_ids)
+        return PreparedImage(ids, inputs.get("pixel_values") if pils else None, inputs.get("image_sizes"), positions,
+                             grid, draft_ids, len(pils), inputs.get("batch_num_images"))
 
     # -- vision ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def encode(self, prepared: list[PreparedImage]) -> list[torch.Tensor]:
-        """Visual tokens ``[n_image_tokens, hidden]`` per image (one vision-tower batch for LLaVA)."""
+        """Visual tokens ``[n_image_tokens, hidden]`` per prepared prompt: its images' features concatenated in
+        image order (one vision-tower batch for LLaVA; one call per prompt for OneVision).
+
+        Raises:
+            UnsupportedArchitectureError: the tower's token count differs from the prompt's image tokens.
+        """
         if not prepared:
             return []
         dtype, device = self.decoder.dtype, self.decoder.device
+        feats: list[torch.Tensor] = []
         if self.model_type == "llava":
-            pixels = torch.cat([p.pixel_values for p in prepared]).to(device, dtype)
-            out = self.vision.get_image_features(pixel_values=pixels)
-            feats = list(out.pooler_output if hasattr(out, "pooler_output") else out)
+            with_images = [p for p in prepared if p.pixel_values is not None]
+            per_image: list[torch.Tensor] = []
+            if with_images:
+                pixels = torch.cat([p.pixel_values for p in with_images]).to(device, dtype)
+                out = self.vision.get_image_features(pixel_values=pixels)
+                per_image = list(out.pooler_output if hasattr(out, "pooler_output") else out)
+            k = 0
+            for p in prepared:
+                n = 0 if p.pixel_values is None else p.pixel_values.shape[0]
+                parts = [f.reshape(-1, f.shape[-1]) for f in per_image[k:k + n]]
+                k += n
+                feats.append(torch.cat(parts) if parts else self._no_features())
         else:
-            feats = []
             for p in prepared:  # OneVision: each image has its own number of tiles
+                if p.pixel_values is None:
+                    feats.append(self._no_features())
+                    continue
+                num = p.batch_num_images if p.batch_num_images is not None else torch.tensor([p.num_images])
                 out = self.vision.get_image_features(pixel_values=p.pixel_values.to(device, dtype),
-                                                     image_sizes=p.image_sizes,
-                                                     batch_num_images=torch.tensor([1]))
+                                                     image_sizes=p.image_sizes, batch_num_images=num)
                 parts = out.pooler_output if hasattr(out, "pooler_output") else out
-                feats.append(torch.cat(list(parts), dim=0))
-        feats = [f.reshape(-1, f.shape[-1]) for f in feats]
+                feats.append(torch.cat([f.reshape(-1, f.shape[-1]) for f in parts], dim=0))
         for p, f in zip(prepared, feats):
             if f.shape[0] != len(p.visual_positions):
                 raise UnsupportedArchitectureError(
                     f"the vision tower gave {f.shape[0]} visual tokens but the prompt holds "
                     f"{len(p.visual_positions)} image tokens (check image_seq_length / the processor config)")
         return feats
+
+    def _no_features(self) -> torch.Tensor:
+        return torch.zeros((0, self.decoder.config.hidden_size), dtype=self.decoder.dtype, device=self.decoder.device)
 
     @torch.inference_mode()
     def prompt_embeds(self, prepared: PreparedImage, features: torch.Tensor) -> torch.Tensor:

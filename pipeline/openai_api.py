@@ -1,0 +1,777 @@
+"""OpenAI-compatible routes of ``specstream serve``: ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``GET /v1/models`` and ``POST /v1/audio/transcriptions``, for clients written against OpenAI's API (the official
+``openai`` Python package, vLLM's and SGLang's users). Every model call goes through
+:class:`~specstream.stages.serving.ModelHub`; chat and completion requests run in the ``interactive`` class.
+
+Shapes follow OpenAI's API reference (chat completion objects and ``chat.completion.chunk`` server-sent events
+ending with ``data: [DONE]``; ``usage``; ``logprobs.content`` with ``top_logprobs``; transcription
+``json|text|srt|vtt|verbose_json``). What differs, and every limit, is in ``docs/api.md``:
+
+- images come as ``image_url`` parts with ``data:`` URLs, or ``file://`` URLs under the server's allowed roots;
+  http(s) URLs are refused (the server fetches nothing); ``video_url`` parts (as vLLM takes them) become the
+  video's keyframes, chosen as ``specstream qa`` chooses them;
+- ``n`` must be 1; tools, response formats, penalties and logit biases are refused with
+  ``unsupported_parameter``; ``return_token_ids: true`` (vLLM's extension) adds ``token_ids`` to the choice;
+- a client that drops a streamed (or any) request cancels it: it ends at its next engine step and frees its slot.
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; codes are specstream's
+(``specstream/errors.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import time
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specstream.errors import (
+    CapacityError,
+    InvalidRequestError,
+    MediaError,
+    ModelNotLoadedError,
+    SpecstreamError,
+    UnreadableSourceError,
+    UnsupportedMediaError,
+    UnsupportedParameterError,
+)
+
+DISCONNECT_POLL_S = 0.25
+_WATCHERS: set[asyncio.Task] = set()  # how often a running request checks that its client is still there
+WHISPER_ALIAS = "whisper-1"  # OpenAI's transcription model name, accepted for the served Whisper model
+
+
+# -- request bodies -------------------------------------------------------------------------------------------------
+class _Url(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str
+    detail: str | None = None
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "image_url", "video_url", "input_audio", "file"]
+    text: str | None = None
+    image_url: _Url | None = None
+    video_url: _Url | None = None
+    input_audio: dict | None = None
+    file: dict | None = None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[_Part] | None = None
+    name: str | None = None
+    tool_calls: list | None = None
+    tool_call_id: str | None = None
+    function_call: dict | None = None
+    refusal: str | None = None
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+_REFUSED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "audio",
+            "modalities", "prediction", "reasoning_effort", "parallel_tool_calls", "best_of", "echo", "suffix",
+            "web_search_options")
+
+
+class _Sampling(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: the generated token ids in the choice
+    # refused unless absent / null / empty (see _refuse)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    parallel_tool_calls: Any = None
+    best_of: Any = None
+    echo: Any = None
+    suffix: Any = None
+    web_search_options: Any = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+# -- errors ---------------------------------------------------------------------------------------------------------
+def error_response(status: int, message: str, code: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error body with the status code's type."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+            429: "rate_limit_error"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def exception_response(exc: BaseException, param: str | None = None) -> JSONResponse:
+    """The HTTP answer to an exception raised while serving a request."""
+    if isinstance(exc, CapacityError):
+        return error_response(429, exc.message, exc.code, headers={"Retry-After": "5"})
+    if isinstance(exc, ModelNotLoadedError):
+        return error_response(404, exc.message, exc.code, "model")
+    if isinstance(exc, UnreadableSourceError) and "allowed roots" in exc.message:
+        return error_response(403, exc.message, exc.code, param)
+    if isinstance(exc, UnreadableSourceError) and "no such file" in exc.message:
+        return error_response(404, exc.message, exc.code, param)
+    if isinstance(exc, (InvalidRequestError, MediaError)):
+        return error_response(400, exc.message, exc.code, getattr(exc, "param", None) or param)
+    if isinstance(exc, SpecstreamError):
+        return error_response(500, exc.message, exc.code)
+    return error_response(500, f"{type(exc).__name__}: {exc}", SpecstreamError.code)
+
+
+def _validation_response(exc: ValidationError) -> JSONResponse:
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err.get("loc", ()))
+    if err.get("type") == "extra_forbidden":
+        return error_response(400, f"Unrecognized request argument supplied: {loc}", "unsupported_parameter", loc)
+    return error_response(400, f"{loc}: {err['msg']}", "invalid_request", loc or None)
+
+
+def _refuse(body: _Sampling) -> None:
+    for name in _REFUSED:
+        value = getattr(body, name, None)
+        if value not in (None, [], {}, False) and not (name == "parallel_tool_calls" and value is True):
+            err = UnsupportedParameterError(f"{name!r} is not supported by this server")
+            err.param = name
+            raise err
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(body, name)
+        if value not in (None, 0, 0.0):
+            err = UnsupportedParameterError(f"{name!r} other than 0 is not supported by this server")
+            err.param = name
+            raise err
+    if body.n not in (None, 1):
+        err = UnsupportedParameterError(f"n={body.n}: only one choice per request (n=1) is supported")
+        err.param = "n"
+        raise err
+
+
+def _stops(stop) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > 4 or any(not s for s in stops):
+        err = InvalidRequestError("'stop' takes up to 4 non-empty strings")
+        err.param = "stop"
+        raise err
+    return stops
+
+
+# -- the state behind the routes ------------------------------------------------------------------------------------
+class OpenAIState:
+    """The routes' model hub (built on first use from the server settings) and in-flight count."""
+
+    def __init__(self, app_state):
+        self.app_state = app_state
+        self.settings = app_state.settings
+        self._hub = None
+        self.in_flight = 0
+        self.created = int(time.time())
+
+    def hub(self):
+        if self._hub is None:
+            from specstream.pipeline.defaults import default_caption_models
+            from specstream.stages.serving import HubConfig, ModelHub
+
+            s = self.settings
+            target, drafts, name = s.caption_target, (s.caption_draft,) if s.caption_draft else (), None
+            if target is None:
+                t, d = default_caption_models(quiet=True)
+                target, drafts, name = str(t), (str(d),), "specstream-tiny-llava"
+            # the server's device loop and its caption VLM runner: chat, captions and subtitles share one loop
+            self._hub = ModelHub(HubConfig(vlm=target, vlm_drafts=drafts, vlm_name=name, text_model=s.text_model,
+                                           text_drafts=(s.text_draft,) if s.text_draft else (),
+                                           speech_model=s.speech_model, clip_model=s.clip_model,
+                                           clip_pretrained=s.clip_pretrained),
+                                 loop=self.app_state.loop, captioner=self.app_state.captioner)
+        speech = self.app_state.speech
+        if speech is not None and getattr(self.app_state, "ready", False):
+            self._hub.use_speech_model(speech.model)  # the subtitle service's Whisper, shared
+        return self._hub
+
+    def admit(self) -> None:
+        """Count a request in flight. Raises CapacityError past ``max_openai_requests``."""
+        if self.in_flight >= self.settings.max_openai_requests:
+            raise CapacityError(f"{self.in_flight} requests in flight (max_openai_requests); retry later")
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+
+# -- media of chat messages -----------------------------------------------------------------------------------------
+_DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[^;,]*)*)(?P<b64>;base64)?,",
+                       re.IGNORECASE)
+
+
+class _Media:
+    """Opens the media of one request (data: and file:// URLs) into a private temporary folder; the decoded bytes
+    of all its media count against ``max_upload_bytes`` together."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.budget = settings.max_upload_bytes
+        self.tmpdir: str | None = None
+
+    def close(self) -> None:
+        if self.tmpdir:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def open(self, url: str, want: str, param: str) -> tuple[str, str, Any]:
+        """(path to read, display name, opened source or None) of a media URL expected to hold ``want``
+        (``image`` or ``video``), after sniffing its content.
+
+        Raises:
+            UnsupportedParameterError (http(s) and other schemes), InvalidRequestError (bad data URL, too large),
+            UnreadableSourceError (file URL outside the roots or missing), UnsupportedMediaError (wrong kind).
+        """
+        from specstream.modalities.source import open_source
+        from specstream.pipeline.server import _media_suffix, upload_display_name
+        from specstream.stages.caption import media_kind
+
+        low = url[:16].lower()
+        opened = None
+        if low.startswith("data:"):
+            m = _DATA_URL.match(url)
+            if m is None or not m.group("b64"):
+                raise _param(InvalidRequestError("a data: URL must be base64 (data:<type>;base64,<data>)"), param)
+            payload = url[m.end():]
+            if len(payload) > 4 * (self.budget // 3 + 1):
+                raise _param(InvalidRequestError(f"media over {self.settings.max_upload_bytes} bytes "
+                                                 "(max_upload_bytes)"), param)
+            try:
+                data = base64.b64decode(payload, validate=True)
+            except (binascii.Error, ValueError):
+                raise _param(InvalidRequestError("the data: URL is not valid base64"), param) from None
+            if len(data) > self.budget:
+                raise _param(InvalidRequestError(f"media over {self.settings.max_upload_bytes} bytes in this "
+                                                 "request (max_upload_bytes)"), param)
+            self.budget -= len(data)
+            mime = (m.group("mime") or "").lower()
+            ext = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "image/gif": ".gif",
+                   "video/mp4": ".mp4", "video/webm": ".webm", "video/quicktime": ".mov"}.get(mime, "")
+            shown = upload_display_name(f"{want}{ext}")
+            if self.tmpdir is None:
+                self.tmpdir = tempfile.mkdtemp(prefix="specstream-openai-")
+            path = os.path.join(self.tmpdir, f"media{secrets.token_hex(4)}" + _media_suffix(shown))
+            with open(path, "wb") as fh:
+                fh.write(data)
+        elif low.startswith("file://"):
+            roots = self.settings.allowed_roots
+            if not roots:
+                raise _param(UnreadableSourceError("file:// URLs are disabled here (no allowed roots configured): "
+                                                   "send the media as a data: URL"), param)
+            opened = open_source(url[len("file://"):], roots, self.settings.max_upload_bytes)
+            path, shown = opened.path, url
+        elif low.startswith(("http://", "https://")):
+            raise _param(UnsupportedParameterError(
+                f"this server does not fetch {url.split(':', 1)[0]} URLs (it works offline): send the media as a "
+                "data: URL, or a file:// URL under an allowed root"), param)
+        else:
+            raise _param(UnsupportedParameterError(f"unsupported media URL scheme in {url[:40]!r}: use data: or "
+                                                   "file://"), param)
+        try:
+            kind = media_kind(path, shown)
+        except BaseException:
+            if opened is not None:
+                opened.close()
+            raise
+        if kind != want:
+            if opened is not None:
+                opened.close()
+            raise _param(UnsupportedMediaError(f"{param}: the content is {'an' if kind == 'image' else 'a'} "
+                                               f"{kind}, not {'an' if want == 'image' else 'a'} {want}"), param)
+        return path, shown, opened
+
+
+def _param(exc: SpecstreamError, param: str) -> SpecstreamError:
+    exc.param = param
+    return exc
+
+
+async def _turns(body: ChatRequest, hub, settings) -> tuple[tuple, _Media]:
+    """The request's messages as hub turns (images decoded, videos reduced to their chosen keyframes)."""
+    from specstream.modalities.image import load_image
+    from specstream.stages.serving import Turn
+
+    media = _Media(settings)
+    turns = []
+    try:
+        for i, msg in enumerate(body.messages):
+            if msg.role in ("tool", "function") or msg.tool_calls or msg.function_call:
+                raise _param(UnsupportedParameterError("tool and function messages are not supported"),
+                             f"messages.{i}")
+            role = "system" if msg.role == "developer" else msg.role
+            content = msg.content
+            if content is None:
+                raise _param(InvalidRequestError("a message needs content"), f"messages.{i}.content")
+            if isinstance(content, str):
+                turns.append(Turn(role, (content,)))
+                continue
+            texts = [p.text for p in content if p.type == "text" and p.text]
+            parts: list[Any] = []
+            for j, part in enumerate(content):
+                where = f"messages.{i}.content.{j}"
+                if part.type == "text":
+                    if part.text is None:
+                        raise _param(InvalidRequestError("a text part needs 'text'"), where)
+                    parts.append(part.text)
+                elif part.type == "image_url" and part.image_url is not None:
+                    path, _, opened = await asyncio.to_thread(media.open, part.image_url.url, "image", where)
+                    try:
+                        parts.append(await asyncio.to_thread(load_image, path))
+                    finally:
+                        if opened is not None:
+                            opened.close()
+                elif part.type == "video_url" and part.video_url is not None:
+                    parts.extend(await _video_frames(hub, media, part.video_url.url, " ".join(texts), where,
+                                                     settings))
+                else:
+                    raise _param(UnsupportedParameterError(f"content parts of type {part.type!r} are not "
+                                                           "supported (text, image_url, video_url)"), where)
+            turns.append(Turn(role, tuple(parts)))
+    except BaseException:
+        media.close()
+        raise
+    return tuple(turns), media
+
+
+async def _video_frames(hub, media: _Media, url: str, question: str, where: str, settings) -> list[np.ndarray]:
+    """A video's keyframes chosen as ``specstream qa`` chooses them: spread over the scenes, or (with a CLIP model)
+    the ones most similar to the message's text; at most ``chat_video_frames``, in time order."""
+    from specstream.stages.qa import spread_indices, top_k_indices
+
+    path, _, opened = await asyncio.to_thread(media.open, url, "video", where)
+    try:
+        keyframes = await hub.keyframes(path)
+    finally:
+        if opened is not None:
+            opened.close()
+    if not keyframes:
+        raise _param(UnsupportedMediaError("the video has no frames"), where)
+    k = min(settings.chat_video_frames, len(keyframes))
+    if hub.has_clip and question.strip():
+        sims = await hub.similarity([kf.image for kf in keyframes], question)
+        chosen = top_k_indices(sims, k)
+    else:
+        chosen = spread_indices(len(keyframes), k)
+    return [keyframes[i].image for i in chosen]
+
+
+# -- responses ------------------------------------------------------------------------------------------------------
+def _token_entry(hub_model, tid: int, lp: float, top: list[tuple[int, float]] | None) -> dict[str, Any]:
+    text = hub_model.decode([tid])
+    entry = {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    if top is not None:
+        entry["top_logprobs"] = [{"token": hub_model.decode([t]), "logprob": v,
+                                  "bytes": list(hub_model.decode([t]).encode("utf-8"))} for t, v in top]
+    return entry
+
+
+def _logprobs_content(hub_model, gen, tokens: list[int], offset: int = 0) -> list[dict[str, Any]]:
+    eos = set(hub_model.eos)
+    out = []
+    for k, t in enumerate(tokens):
+        if t in eos:
+            continue
+        lp = gen.logprobs[offset + k] if gen.logprobs is not None else 0.0
+        top = gen.top_logprobs[offset + k] if gen.top_logprobs is not None else None
+        out.append(_token_entry(hub_model, t, lp, top))
+    return out
+
+
+def _usage(gen) -> dict[str, int]:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": len(gen.tokens),
+            "total_tokens": gen.prompt_tokens + len(gen.tokens)}
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _watch_client(request: Request, task: asyncio.Task) -> None:
+    """Cancel ``task`` when the client disconnects (polled; the generator also notices on its next send)."""
+    while not task.done():
+        if await request.is_disconnected():
+            task.cancel()
+            return
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+# -- the routes -----------------------------------------------------------------------------------------------------
+def openai_router(app_state) -> APIRouter:
+    """The OpenAI-compatible routes over ``app_state`` (the server's ``AppState``)."""
+    from specstream.pipeline.server import FORM_OVERHEAD_BYTES
+    from specstream.stages.serving import QOS_INTERACTIVE, GenerationParams, Prompt
+
+    state = OpenAIState(app_state)
+    app_state.openai = state
+    settings = app_state.settings
+    router = APIRouter()
+    json_limit = 4 * (settings.max_upload_bytes // 3 + 1) + FORM_OVERHEAD_BYTES  # base64 media + the rest
+
+    async def read_json(request: Request, model):
+        try:
+            obj = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            raise InvalidRequestError("the request body must be JSON") from None
+        if not isinstance(obj, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        return model.model_validate(obj)
+
+    async def complete(request: Request, body: _Sampling, prompt_of, chat: bool):
+        """Shared by both completion routes: admission, generation (streamed or not), errors, cleanup."""
+        hub = state.hub()
+        kind = hub.kind_of(body.model)
+        model = await hub.model(kind)
+        prompt, media = await prompt_of(hub)
+        stream_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if chat:
+            logprobs = bool(body.logprobs)
+            top = body.top_logprobs or 0
+            if top and not logprobs:
+                raise _param(InvalidRequestError("top_logprobs needs logprobs: true"), "top_logprobs")
+            max_new = body.max_completion_tokens or body.max_tokens
+        else:
+            logprobs = body.logprobs is not None
+            top = body.logprobs or 0
+            max_new = body.max_tokens or 16  # OpenAI's default for text completions
+        temperature = 1.0 if body.temperature is None else body.temperature
+        seed = body.seed if body.seed is not None else secrets.randbits(31)
+        params = GenerationParams(max_new_tokens=max_new, temperature=temperature, top_p=body.top_p or 1.0,
+                                  seed=seed, stop=_stops(body.stop), logprobs=logprobs, top_logprobs=top)
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created = int(time.time())
+        state.admit()
+        admitted = False
+        try:
+            if not body.stream:
+                task = asyncio.create_task(hub.generate(prompt, params, model=body.model, qos=QOS_INTERACTIVE))
+                watch = asyncio.create_task(_watch_client(request, task))
+                try:
+                    gen = await task
+                finally:
+                    watch.cancel()
+                return JSONResponse(_final(rid, created, model, gen, chat, body.return_token_ids))
+            queue: asyncio.Queue = asyncio.Queue()
+            started = asyncio.Event()
+            task = asyncio.create_task(hub.generate(prompt, params, model=body.model, qos=QOS_INTERACTIVE,
+                                                    on_delta=queue.put_nowait, on_admitted=started.set))
+            waiter = asyncio.create_task(started.wait())
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+            admitted = True
+            # from here the generation owns the slot in flight and the media: released when it ends, however it
+            # ends (finished, cancelled by a client that went away, or never streamed because the client vanished
+            # before the response started)
+            task.add_done_callback(lambda _: (state.release(), media.close()))
+            watch = asyncio.create_task(_watch_client(request, task))
+            _WATCHERS.add(watch)  # a strong reference until it ends (the loop keeps only weak ones)
+            watch.add_done_callback(_WATCHERS.discard)
+            return StreamingResponse(_events(task, queue, rid, created, model, chat, logprobs, stream_usage,
+                                             body.return_token_ids),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        finally:
+            if not admitted:
+                state.release()
+                media.close()
+
+    async def handle(request: Request, model, prompt_of_body, chat: bool):
+        try:
+            body = await read_json(request, model)
+            _refuse(body)
+            return await complete(request, body, lambda hub: prompt_of_body(body, hub), chat)
+        except ValidationError as exc:
+            return _validation_response(exc)
+        except Exception as exc:  # noqa: BLE001  every failure is an OpenAI error body
+            return exception_response(exc)
+
+    @router.post("/v1/chat/completions", summary="OpenAI chat completions (text, images, video; SSE stream)",
+                 max_body_size=json_limit)
+    async def chat_completions(request: Request):
+        async def prompt_of(body: ChatRequest, hub):
+            turns, media = await _turns(body, hub, settings)
+            return Prompt(turns=turns), media
+
+        return await handle(request, ChatRequest, prompt_of, True)
+
+    @router.post("/v1/completions", summary="OpenAI text completions", max_body_size=json_limit)
+    async def completions(request: Request):
+        async def prompt_of(body: CompletionRequest, hub):
+            p = body.prompt
+            if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+                return Prompt(ids=tuple(p)), _Media(settings)  # token ids, as they are
+            if isinstance(p, list):
+                if len(p) != 1 or not isinstance(p[0], str):
+                    raise _param(UnsupportedParameterError("'prompt' must be one string or one list of token ids "
+                                                           "(batches are not supported)"), "prompt")
+                p = p[0]
+            return Prompt(text=p), _Media(settings)
+
+        return await handle(request, CompletionRequest, prompt_of, False)
+
+    @router.get("/v1/models", summary="OpenAI model list: the models this server serves")
+    async def models():
+        data = [{"id": m.id, "object": "model", "created": state.created, "owned_by": "specstream",
+                 "kind": m.kind, "context_length": m.context_length} for m in state.hub().models()]
+        return {"object": "list", "data": data}
+
+    @router.post("/v1/audio/transcriptions", summary="OpenAI audio transcriptions (Whisper, speculative decoding)",
+                 max_body_size=settings.max_upload_bytes + FORM_OVERHEAD_BYTES)
+    async def transcriptions(request: Request):
+        try:
+            return await _transcription(request, state)
+        except Exception as exc:  # noqa: BLE001
+            return exception_response(exc)
+
+    return router
+
+
+def _final(rid: str, created: int, model, gen, chat: bool, token_ids: bool) -> dict[str, Any]:
+    hub_model = model
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": gen.text},
+                                  "logprobs": None, "finish_reason": gen.finish_reason}
+        if gen.logprobs is not None:
+            choice["logprobs"] = {"content": _logprobs_content(hub_model, gen, gen.tokens)}
+    else:
+        choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}
+        if gen.logprobs is not None:
+            choice["logprobs"] = _legacy_logprobs(hub_model, gen)
+    if token_ids:
+        choice["token_ids"] = list(gen.tokens)
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": gen.model, "system_fingerprint": None, "choices": [choice], "usage": _usage(gen)}
+
+
+def _legacy_logprobs(hub_model, gen) -> dict[str, Any]:
+    """``/v1/completions`` log-probabilities: tokens, token_logprobs, top_logprobs (dicts), text_offset."""
+    eos = set(hub_model.eos)
+    tokens, lps, tops, offsets, pos = [], [], [], [], 0
+    for k, t in enumerate(gen.tokens):
+        if t in eos:
+            continue
+        text = hub_model.decode([t])
+        tokens.append(text)
+        lps.append(gen.logprobs[k])
+        if gen.top_logprobs is not None:
+            tops.append({hub_model.decode([a]): v for a, v in gen.top_logprobs[k]})
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops if gen.top_logprobs is not None else None,
+            "text_offset": offsets}
+
+
+async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: int, model, chat: bool,
+                  logprobs: bool, usage: bool, token_ids: bool):
+    """The SSE stream of one request: a role chunk, a chunk per engine step that released text (or tokens with
+    log-probabilities), the final chunk with ``finish_reason``, the usage chunk when asked, ``[DONE]``. When the
+    client goes away (a send fails, or the watcher sees the disconnect) the generation is cancelled."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    mid = model.info.id
+
+    def chunk(choice: dict | None, extra: dict | None = None) -> str:
+        body = {"id": rid, "object": obj, "created": created, "model": mid, "system_fingerprint": None,
+                "choices": [choice] if choice is not None else []}
+        if extra:
+            body.update(extra)
+        return _sse(body)
+
+    done = asyncio.Event()
+    task.add_done_callback(lambda _: done.set())
+    try:
+        if chat:
+            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None})
+        while True:
+            if queue.empty():
+                getter = asyncio.create_task(queue.get())
+                ender = asyncio.create_task(done.wait())
+                await asyncio.wait({getter, ender}, return_when=asyncio.FIRST_COMPLETED)
+                ender.cancel()
+                if not getter.done():
+                    getter.cancel()
+                    if queue.empty():
+                        break
+                    continue
+                delta = getter.result()
+            else:
+                delta = queue.get_nowait()
+            if not delta.text and not (logprobs and delta.tokens):
+                continue
+            if chat:
+                choice = {"index": 0, "delta": {"content": delta.text}, "logprobs": None, "finish_reason": None}
+                if logprobs:
+                    choice["logprobs"] = {"content": [_token_entry(model, t, lp, None) for t, lp in
+                                                      zip(delta.tokens, delta.logprobs) if t not in model.eos]}
+            else:
+                choice = {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": None}
+            yield chunk(choice)
+        try:
+            gen = task.result()
+        except Exception as exc:  # noqa: BLE001  after the first byte the status is sent: an error event
+            err = json.loads(exception_response(exc).body)
+            yield _sse(err)
+            yield "data: [DONE]\n\n"
+            return
+        last = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
+        last.update({"delta": {}} if chat else {"text": ""})
+        if token_ids:
+            last["token_ids"] = list(gen.tokens)
+        yield chunk(last)
+        if usage:
+            yield chunk(None, {"usage": _usage(gen)})
+        yield "data: [DONE]\n\n"
+    finally:
+        if not task.done():
+            task.cancel()  # the client went away: the request ends at its next engine step
+
+
+# -- transcriptions -------------------------------------------------------------------------------------------------
+_FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+
+
+async def _transcription(request: Request, state: OpenAIState) -> Response:
+    from specstream.pipeline.server import FORM_OVERHEAD_BYTES, _media_suffix, upload_display_name
+    from specstream.stages.serving import QOS_INTERACTIVE, has_audio_stream
+
+    settings = state.settings
+    form = await request.form(max_files=1, max_fields=16, max_part_size=FORM_OVERHEAD_BYTES // 2)
+    tmpdir = None
+    try:
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise _param(InvalidRequestError("give the audio as the multipart field 'file'"), "file")
+        model = form.get("model")
+        hub = state.hub()
+        speech_id = next(m.id for m in hub.models() if m.kind == "speech")
+        if not isinstance(model, str) or model not in (speech_id, WHISPER_ALIAS):
+            raise _param(ModelNotLoadedError(f"model {model!r} is not a speech model served here (use {speech_id!r} "
+                                             f"or {WHISPER_ALIAS!r})"), "model")
+        fmt = form.get("response_format") or "json"
+        if fmt not in _FORMATS:
+            raise _param(InvalidRequestError(f"response_format must be one of {', '.join(_FORMATS)}"),
+                         "response_format")
+        temperature = form.get("temperature")
+        if temperature not in (None, "", "0", "0.0"):
+            raise _param(UnsupportedParameterError("only temperature 0 (greedy decoding) is supported"),
+                         "temperature")
+        grains = set(form.getlist("timestamp_granularities[]") + form.getlist("timestamp_granularities"))
+        if grains - {"segment", "word"}:
+            raise _param(InvalidRequestError("timestamp_granularities take 'segment' and 'word'"),
+                         "timestamp_granularities")
+        if grains and fmt != "verbose_json":
+            raise _param(InvalidRequestError("timestamp_granularities need response_format verbose_json"),
+                         "timestamp_granularities")
+        language = form.get("language") or None
+        prompt = form.get("prompt") or None
+        shown = upload_display_name(upload.filename)
+        tmpdir = tempfile.mkdtemp(prefix="specstream-upload-")
+        path = os.path.join(tmpdir, "upload" + _media_suffix(shown))  # no part of the client's name
+        size = 0
+        with open(path, "wb") as fh:
+            while chunk := await upload.read(1 << 20):
+                size += len(chunk)
+                if size > settings.max_upload_bytes:
+                    return error_response(413, f"upload over {settings.max_upload_bytes} bytes", "request_too_large",
+                                          "file")
+                fh.write(chunk)
+        await upload.close()
+        if not size:
+            raise _param(UnreadableSourceError(f"{shown}: empty upload"), "file")
+        if not await asyncio.to_thread(has_audio_stream, path):  # by content: a container with an audio stream
+            raise _param(UnsupportedMediaError(f"{shown}: no audio stream found in the file"), "file")
+        state.admit()
+        try:
+            tr = await hub.transcribe(path, language=language, prompt=prompt, word_timestamps="word" in grains,
+                                      qos=QOS_INTERACTIVE)
+        finally:
+            state.release()
+    finally:
+        await form.close()
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    return _transcription_response(tr, fmt, grains)
+
+
+def _transcription_response(tr, fmt: str, grains: set[str]) -> Response:
+    from specstream.stages.speech import format_timestamp
+
+    segs = [s for s in tr.segments if s.text.strip()]
+    if fmt == "json":
+        return JSONResponse({"text": tr.text})
+    if fmt == "text":
+        return PlainTextResponse(tr.text + "\n")
+    if fmt in ("srt", "vtt"):
+        buf = io.StringIO()
+        if fmt == "vtt":
+            buf.write("WEBVTT\n\n")
+        for n, s in enumerate(segs, 1):
+            a = format_timestamp(s.start_s, "," if fmt == "srt" else ".")
+            b = format_timestamp(s.end_s, "," if fmt == "srt" else ".")
+            buf.write((f"{n}\n" if fmt == "srt" else "") + f"{a} --> {b}\n{s.text.strip()}\n\n")
+        return PlainTextResponse(buf.getvalue(), media_type="text/vtt" if fmt == "vtt" else "application/x-subrip")
+    body: dict[str, Any] = {"task": "transcribe", "language": tr.language, "duration": round(tr.duration_s, 3),
+                            "text": tr.text}
+    if "segment" in grains or not grains:
+        body["segments"] = [{"id": i, "seek": 0, "start": round(s.start_s, 3), "end": round(s.end_s, 3),
+                             "text": s.text.strip(), "tokens": [], "temperature": 0.0,
+                             "avg_logprob": s.avg_logprob if s.avg_logprob is not None else 0.0,
+                             "compression_ratio": 0.0,
+                             "no_speech_prob": s.no_speech_prob if s.no_speech_prob is not None else 0.0}
+                            for i, s in enumerate(segs)]
+    if "word" in grains:
+        body["words"] = [{"word": w.word, "start": round(w.start_s, 3), "end": round(w.end_s, 3)}
+                         for s in segs for w in s.words]
+    return JSONResponse(body)
