@@ -509,8 +509,17 @@ class AppState:
         return out
 
     def captioner(self):
+        """The process's caption model (built on first use, in this loop).
+
+        Raises:
+            ModelNotLoadedError: it failed to load (now or before: a failed model is not retried per request).
+        """
+        from specstream.errors import ModelNotLoadedError
+
         with self._captioner_lock:  # two first requests at once build one captioner
             if self._captioner is None:
+                if "vlm" in self.loop.failed:
+                    raise ModelNotLoadedError(f"the caption model failed to load: {self.loop.failed['vlm']}")
                 from specstream.pipeline.defaults import default_caption_models
                 from specstream.stages.caption import Captioner
                 from specstream.stages.speculative.drafters.model import TreeSpec
@@ -525,8 +534,10 @@ class AppState:
                     self._captioner = Captioner(target, drafts, TreeSpec.parse("1,1,3,1,1,1,1,1"), temporal=True,
                                                 visual_aware=True, num_slots=8, loop=self.loop)
                 except Exception as exc:
+                    log.exception("caption model failed to load")
                     self.loop.mark_failed("vlm", f"{type(exc).__name__}: {exc}")
-                    raise
+                    raise ModelNotLoadedError(f"the caption model failed to load: {type(exc).__name__}: {exc}"
+                                              ) from exc
             return self._captioner
 
 
@@ -682,6 +693,8 @@ def create_app(settings: ServerSettings | None = None, speech=None):
     one); by default the model loads at startup in a worker thread (``/readyz`` answers 503 until then)."""
     from contextlib import asynccontextmanager
 
+    from specstream.errors import ModelNotLoadedError
+
     settings = settings or ServerSettings()
     state = AppState(settings, speech)
 
@@ -757,13 +770,22 @@ def create_app(settings: ServerSettings | None = None, speech=None):
             else:
                 path = _check_uri(source_uri, settings.allowed_roots)
                 shown, roots = None, settings.allowed_roots
+            if "vlm" in state.loop.failed:
+                state.metrics.captions.labels("503").inc()
+                return JSONResponse({"error": {"code": "model_not_loaded", "message":
+                                               f"the caption model failed to load: {state.loop.failed['vlm']}"}},
+                                    status_code=503)
             state.caption_waiting += 1
             try:
                 async with state._caption_lock:
                     # the graph opens the source once, checking the roots again then (the file may have been
                     # swapped while this request waited for the lock)
-                    records = await _run_captions(state, path, prompt, max_new_tokens, max_keyframes_per_minute,
-                                                  roots)
+                    try:
+                        records = await _run_captions(state, path, prompt, max_new_tokens,
+                                                      max_keyframes_per_minute, roots)
+                    except ModelNotLoadedError as exc:
+                        state.metrics.captions.labels("503").inc()
+                        return JSONResponse({"error": exc.to_dict()}, status_code=503)
             finally:
                 state.caption_waiting -= 1
             if shown is not None:  # the client's file name, never the server's temporary path

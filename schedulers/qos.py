@@ -16,9 +16,10 @@ Policy, in the order :meth:`QosScheduler.schedule` applies it:
 3. **Decodes**: every decoding request verifies at least its root token each step (continuous batching).
 4. **Prefills** in priority order: ``realtime`` > ``interactive`` > ``batch``, earliest deadline first within a
    class; requests in the middle of a chunked prefill take their next chunk in the same order. A prompt is
-   **chunked** (vLLM's chunked prefill) to what the step's token budget has room for, and while realtime work is
-   queued or running, non-realtime prefill tokens per step are capped at ``max_prefill_chunk_tokens``, so no step
-   overruns while a subtitle window waits. A ``batch`` request whose deadline slack (deadline - now - estimated
+   **chunked** (vLLM's chunked prefill) to what the step's token budget has room for; a non-realtime request
+   prefills at most ``max_prefill_chunk_tokens`` per step, so every step stays bounded for a subtitle window that
+   arrives during it, and all non-realtime prefills together take at most ``realtime_prefill_chunk_tokens`` per
+   step while realtime work is queued or running, so the steps that carry realtime rows stay short. A ``batch`` request whose deadline slack (deadline - now - estimated
    service time) falls below ``promote_slack_s`` is **promoted**: it leaves batch's reserved share and competes
    for the budget ahead of every other batch request, but still after all interactive work, so it never passes a
    higher class. ``reserved_realtime_slots`` slots per model are for ``realtime`` only. Above
@@ -123,8 +124,11 @@ class QosConfig:
         promote_slack_s: a ``batch`` request whose deadline slack falls below this is promoted (see the module
             docstring); slack = deadline - now - ``service_s_per_token`` * tokens still to generate.
         service_s_per_token: estimated seconds per generated token of a request (slack estimate).
-        max_prefill_chunk_tokens: while realtime work is queued or running, most non-realtime prefill tokens per
-            step (a longer prompt is prefilled in chunks over several steps). None: no cap.
+        max_prefill_chunk_tokens: most prefill tokens of one non-realtime request per step (a longer prompt is
+            prefilled in chunks over several steps). None: no cap but the token budget.
+        realtime_prefill_chunk_tokens: most non-realtime prefill tokens per step, all requests together, while
+            realtime work is queued or running (at least ``MIN_CHUNK``, so a prompt still progresses under a
+            continuous subtitle stream).
         max_nodes_per_request: largest tree granted (root included).
         max_tree_depth: deepest draft token granted.
         spec_token_limit: verified decode tokens per step beyond which trees shrink; None = no limit.
@@ -149,7 +153,8 @@ class QosConfig:
     batch_share: float = 0.10
     promote_slack_s: float = 10.0
     service_s_per_token: float = 0.05
-    max_prefill_chunk_tokens: int | None = 256
+    max_prefill_chunk_tokens: int | None = 512
+    realtime_prefill_chunk_tokens: int = 32
     max_nodes_per_request: int = 16
     max_tree_depth: int = 8
     spec_token_limit: int | None = None
@@ -202,6 +207,8 @@ class QosConfig:
             raise ValueError("kv_budget_tokens exceeds num_slots * max_len")
         if self.max_prefill_chunk_tokens is not None and self.max_prefill_chunk_tokens < 1:
             raise ValueError("max_prefill_chunk_tokens must be >= 1 (or None)")
+        if self.realtime_prefill_chunk_tokens < MIN_CHUNK:
+            raise ValueError(f"realtime_prefill_chunk_tokens must be >= {MIN_CHUNK}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "QosConfig":
@@ -549,7 +556,7 @@ class QosScheduler:
         growth = sum(n * self._unit(self.requests[rid]) for rid, n in nodes.items())
         only_batch = False  # set when a higher request waits for tokens kept for batch's share
         rt_active = self._realtime_active()
-        cap = cfg.max_prefill_chunk_tokens if rt_active else None
+        cap = cfg.realtime_prefill_chunk_tokens if rt_active else None
         guarded = 0  # non-realtime prefill tokens planned this step while realtime is active
         cands = sorted(list(self.prefilling.values()) + ready, key=lambda r: self._key(r, now))
         for req in cands:
@@ -564,10 +571,13 @@ class QosScheduler:
             left = len(req.context) - start
             room = math.floor((budget if batch_work else budget - reserve) / self._cost(req) + 1e-9)
             n = left
-            if req.qos != "realtime" and cap is not None:
-                n = min(n, cap - guarded)
-                if n <= 0:
-                    break  # realtime work is active: this step's prefill share is spent
+            if req.qos != "realtime":
+                if cfg.max_prefill_chunk_tokens is not None:
+                    n = min(n, cfg.max_prefill_chunk_tokens)
+                if cap is not None:
+                    n = min(n, cap - guarded)
+                    if n <= 0:
+                        break  # realtime work is active: this step's prefill share is spent
             if n > room:
                 if req.qos == "realtime":
                     continue  # a later realtime request may still fit

@@ -375,9 +375,28 @@ class SpeechService:
             CapacityError: the realtime queue is full; SpecstreamError: decoding failed.
         """
         from specstream.errors import SpecstreamError
-        from specstream.schedulers.plan import MMInput
 
         self.loop.start()
+        sm = self.model
+        req, audio = self.window_request(window, hypothesis, speculate, max_new_tokens, seconds, previous_text,
+                                         language, timestamps, prefix)
+        t0 = time.perf_counter()
+        done = await self.loop.submit(req)
+        wall = time.perf_counter() - t0
+        if done.error:
+            raise SpecstreamError(f"decoding failed: {done.error}")
+        toks = tuple(t for t in done.output_ids if t != sm.tokens.eot)
+        avg = float(sum(done.output_logprobs)) / (len(toks) + 1)
+        return WindowDecode(toks, done.finish_reason, done.stats.target_steps, audio.no_speech_prob, avg,
+                            audio.encode_s, max(0.0, wall - audio.encode_s))
+
+    def window_request(self, window: np.ndarray, hypothesis: Sequence[int] | None = None, speculate: bool = True,
+                       max_new_tokens: int = 160, seconds: float = 30.0, previous_text: Sequence[int] = (),
+                       language: str = "en", timestamps: bool = True, prefix: Sequence[int] = ()):
+        """The ``realtime`` request of one window (arguments as :meth:`decode_window`) and its
+        :class:`AudioWindow` (the encoder fills its probe result). Returns ``(request, audio_window)``."""
+        from specstream.schedulers.plan import MMInput
+
         sm = self.model
         head = sm.prompt(language, "transcribe", timestamps, previous_text)
         prompt = head + [int(t) for t in prefix]
@@ -390,15 +409,7 @@ class SpeechService:
                                        logprobs=True,
                                        logits_processors=sm.logits_processors(len(head), timestamps=timestamps),
                                        draft_hypothesis=tuple(hypothesis) if hypothesis and speculate else None)
-        t0 = time.perf_counter()
-        done = await self.loop.submit(req)
-        wall = time.perf_counter() - t0
-        if done.error:
-            raise SpecstreamError(f"decoding failed: {done.error}")
-        toks = tuple(t for t in done.output_ids if t != sm.tokens.eot)
-        avg = float(sum(done.output_logprobs)) / (len(toks) + 1)
-        return WindowDecode(toks, done.finish_reason, done.stats.target_steps, audio.no_speech_prob, avg,
-                            audio.encode_s, max(0.0, wall - audio.encode_s))
+        return req, audio
 
     # -- token helpers --------------------------------------------------------------------------------------
     def starts_word(self, token: int) -> bool:

@@ -113,13 +113,20 @@ def test_equal_priority_never_preempts_and_slack_promotes_batch_after_interactiv
 def test_long_prefill_is_chunked_while_realtime_waits_and_realtime_starts_next_step():
     clock = VirtualClock()
     s = QosScheduler(QosConfig(num_slots=3, max_len=4096, reserved_realtime_slots=1, token_budget=4096,
-                               max_prefill_chunk_tokens=256), clock=clock)
+                               max_prefill_chunk_tokens=None), clock=clock)
     s.add(req("cap", "interactive", 3000, deadline=60.0))  # a visual-token prefill of 3000 tokens
     plan = s.schedule()
     assert [(p.request.request_id, p.start, p.num_tokens, p.final) for p in plan.prefills] == [
-        ("cap", 0, 3000, True)]  # nothing realtime: one step takes it whole
+        ("cap", 0, 3000, True)]  # nothing realtime, no chunk bound: one step takes it whole
+    s1 = QosScheduler(QosConfig(num_slots=3, max_len=4096, reserved_realtime_slots=1, token_budget=4096,
+                                max_prefill_chunk_tokens=1024), clock=clock)
+    s1.add(req("cap", "interactive", 3000, deadline=60.0))
+    s1.add(req("cap2", "interactive", 700, deadline=60.0))
+    plan = s1.schedule()  # bounded steps even with nothing realtime: 1024 per request, requests side by side
+    assert [(p.request.request_id, p.start, p.num_tokens, p.final) for p in plan.prefills] == [
+        ("cap", 0, 1024, False), ("cap2", 0, 700, True)]
     s2 = QosScheduler(QosConfig(num_slots=3, max_len=4096, reserved_realtime_slots=1, token_budget=4096,
-                                max_prefill_chunk_tokens=256), clock=clock)
+                                max_prefill_chunk_tokens=None, realtime_prefill_chunk_tokens=256), clock=clock)
     s2.add(req("cap", "interactive", 3000, deadline=60.0))
     s2.add(req("sub0", "realtime", 6))
     chunks = []
