@@ -68,6 +68,7 @@ _RANK = {q: i for i, q in enumerate(QOS_CLASSES)}
 _PROMOTED = _RANK["interactive"] + 0.5
 #: a prefill chunk smaller than this (unless it ends the prompt) waits for a step with more room
 MIN_CHUNK = 16
+OBSERVE_DECAY = 0.98  # weight of an older step in the per-token cost fit (about the last 50 steps count)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,10 @@ class QosConfig:
         realtime_prefill_chunk_tokens: most non-realtime prefill tokens per step, all requests together, while
             realtime work is queued or running (at least ``MIN_CHUNK``, so a prompt still progresses under a
             continuous subtitle stream).
+        realtime_prefill_budget_s: instead, while realtime work is active, the seconds of non-realtime prefill a
+            step may carry, from each model's measured prefill seconds per token (:meth:`QosScheduler.observe`;
+            the device loop reports every step). A cheap model's prompt then goes in one step, a large model's in
+            chunks. Until a model has been measured, ``realtime_prefill_chunk_tokens`` applies. None: tokens only.
         max_nodes_per_request: largest tree granted (root included).
         max_tree_depth: deepest draft token granted.
         spec_token_limit: verified decode tokens per step beyond which trees shrink; None = no limit.
@@ -155,6 +160,7 @@ class QosConfig:
     service_s_per_token: float = 0.05
     max_prefill_chunk_tokens: int | None = 512
     realtime_prefill_chunk_tokens: int = 32
+    realtime_prefill_budget_s: float | None = None
     max_nodes_per_request: int = 16
     max_tree_depth: int = 8
     spec_token_limit: int | None = None
@@ -286,6 +292,9 @@ class QosScheduler:
         self.rejections: dict[str, int] = {q: 0 for q in QOS_CLASSES}
         self.peak_kv_fraction = 0.0
         self.last_plan: StepPlan | None = None
+        #: per model: measured marginal forward seconds per token (:meth:`observe`)
+        self.prefill_s_per_token: dict[str, float] = {}
+        self._fit: dict[str, tuple[float, float, float, float, float]] = {}
 
     # -- per model ------------------------------------------------------------------------------------------
     @property
@@ -558,6 +567,7 @@ class QosScheduler:
         rt_active = self._realtime_active()
         cap = cfg.realtime_prefill_chunk_tokens if rt_active else None
         guarded = 0  # non-realtime prefill tokens planned this step while realtime is active
+        spent_s = 0.0  # their estimated seconds (realtime_prefill_budget_s)
         cands = sorted(list(self.prefilling.values()) + ready, key=lambda r: self._key(r, now))
         for req in cands:
             cont = req.request_id in self.prefilling
@@ -574,7 +584,15 @@ class QosScheduler:
             if req.qos != "realtime":
                 if cfg.max_prefill_chunk_tokens is not None:
                     n = min(n, cfg.max_prefill_chunk_tokens)
-                if cap is not None:
+                est = self.prefill_s_per_token.get(req.model) if cfg.realtime_prefill_budget_s else None
+                if cap is not None and est is not None:
+                    allowed = math.floor((cfg.realtime_prefill_budget_s - spent_s) / est + 1e-9)
+                    if not guarded:
+                        allowed = max(allowed, MIN_CHUNK)  # the step's first prefill always progresses
+                    n = min(n, allowed)
+                    if n <= 0:
+                        break  # realtime work is active: this step's prefill share is spent
+                elif cap is not None:
                     n = min(n, cap - guarded)
                     if n <= 0:
                         break  # realtime work is active: this step's prefill share is spent
@@ -606,6 +624,7 @@ class QosScheduler:
             growth += n * self._unit(req)
             if req.qos != "realtime":
                 guarded += n
+                spent_s += n * self.prefill_s_per_token.get(req.model, 0.0)
             if batch_work:
                 reserve = max(0.0, reserve - n * self._cost(req))
         return prefills, budget
@@ -729,6 +748,26 @@ class QosScheduler:
         return tuple(works)
 
     # -- booking --------------------------------------------------------------------------------------------
+    def observe(self, model: str, prefill_tokens: int, tokens: int, seconds: float) -> None:
+        """One model's work in a step took ``seconds`` for ``tokens`` (prefill tokens + tree nodes; ``prefill_tokens``
+        of them prefill). The model's marginal seconds per token is the slope of a least-squares line through
+        its recent steps (exponentially forgotten, weight ``OBSERVE_DECAY`` per step): a step's fixed cost (the
+        weights read, the drafts, Python) is the intercept, so small chunks do not make tokens look costly. Read
+        by ``realtime_prefill_budget_s``; unknown until the model's steps differ enough in size."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        w, sx, sy, sxx, sxy = self._fit.get(model, (0.0, 0.0, 0.0, 0.0, 0.0))
+        d = OBSERVE_DECAY
+        w, sx, sy = d * w + 1, d * sx + tokens, d * sy + seconds
+        sxx, sxy = d * sxx + tokens * tokens, d * sxy + tokens * seconds
+        self._fit[model] = (w, sx, sy, sxx, sxy)
+        var = sxx / w - (sx / w) ** 2
+        if var < MIN_CHUNK ** 2 / 4:  # steps too alike in size to tell the per-token part from the fixed one
+            return
+        slope = (sxy / w - (sx / w) * (sy / w)) / var
+        if slope > 0:
+            self.prefill_s_per_token[model] = slope
+
     def update(self, output: StepOutput) -> list[Request]:
         """Book a step's results (called by the device loop after the executors); returns finished requests."""
         finished = []

@@ -40,6 +40,9 @@ from specstream.stages.speculative.executor import SpeculativeExecutor
 
 TokenCallback = Callable[[Request, tuple[int, ...]], None]
 
+#: seconds of non-realtime prefill a device step may carry while realtime work is active (the loop's default)
+REALTIME_PREFILL_BUDGET_S = 0.01
+
 
 @dataclass
 class ModelRunner:
@@ -344,6 +347,10 @@ class DeviceLoop:
             if not (part.prefills or part.decodes or part.encodes or part.released or part.preempted):
                 continue
             out: StepOutput = self.runners[name].executor.execute(part)
+            observe = getattr(self.scheduler, "observe", None)
+            if observe is not None:
+                pre = sum(p.num_tokens for p in part.prefills)
+                observe(name, pre, pre + sum(d.node_budget for d in part.decodes), out.duration_s)
             results.extend(out.results)
             encoded.extend(out.encoded)
             forwards += out.target_forwards
@@ -492,10 +499,12 @@ class DeviceLoop:
 
 def new_qos_scheduler(metrics=None, clock=time.monotonic, **config) -> Any:
     """A :class:`~specstream.schedulers.qos.QosScheduler` with no model yet and a memory budget in bytes that
-    grows as runners join (``config``: :class:`~specstream.schedulers.qos.QosConfig` keys)."""
+    grows as runners join (``config``: :class:`~specstream.schedulers.qos.QosConfig` keys). While realtime work is
+    active, a step carries at most ``REALTIME_PREFILL_BUDGET_S`` of other models' measured prefill time."""
     from specstream.schedulers.qos import QosConfig, QosScheduler
 
-    cfg = {"models": {}, "memory_budget_bytes": 0, "reserved_realtime_slots": 0, **config}
+    cfg = {"models": {}, "memory_budget_bytes": 0, "reserved_realtime_slots": 0,
+           "realtime_prefill_budget_s": REALTIME_PREFILL_BUDGET_S, **config}
     return QosScheduler(QosConfig(**cfg), clock=clock, metrics=metrics)
 
 

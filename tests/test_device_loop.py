@@ -16,7 +16,7 @@ from live_fixtures import SCRIPT, ServerThread, free_port, recording, wer
 from whisper_fixtures import one_torch_thread, speech_cache  # noqa: F401  (fixtures)
 
 CAPTION_TOKENS = 20
-TEXT_TOKENS = 16
+TEXT_TOKENS = 64
 
 
 # -- tiny models: a deterministic mixed step -----------------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_whisper_window_and_vlm_rows_share_device_steps_with_outputs_of_separate
     mixed = [e for e in executed if e.get("whisper", set()) & window_ids and e.get("vlm", set()) & vlm_ids]
     assert mixed, executed  # a Whisper window and VLM rows ran in the same device step
     both_kinds = [e for e in executed if len(e.get("vlm", set()) & vlm_ids) == 3]
-    assert both_kinds  # text-only and image rows of the VLM in one step
+    assert both_kinds, executed  # text-only and image rows of the VLM in one step
     got = [list(r.output_ids) for r in reqs]
     assert got == want
     assert [len(g) for g in got] == [24, 24, CAPTION_TOKENS, CAPTION_TOKENS, TEXT_TOKENS]

@@ -209,3 +209,44 @@ def test_admission_control_refuses_at_once_with_retryable_error():
     assert 'specstream_scheduler_rejections_total{model="default",qos="batch",reason="never_fits"} 1.0' in text
     plan = s.schedule()
     assert 'specstream_scheduler_batch_size_count{model="default"} 1.0' in metrics.render().decode() and plan.prefills
+
+
+def test_realtime_prefill_budget_in_seconds_follows_each_models_measured_cost():
+    """While a subtitle window is active, a cheap model's whole prompt fits the step's prefill seconds and a costly
+    model's prompt is chunked to them (at least MIN_CHUNK tokens, so it still progresses); decode-only forwards do
+    not move the estimate."""
+    from specstream.schedulers.plan import Request as R
+    from specstream.schedulers.qos import MIN_CHUNK, ModelLimits
+
+    clock = VirtualClock()
+    models = {"vlm": ModelLimits(num_slots=4, max_len=4096), "big": ModelLimits(num_slots=4, max_len=4096),
+              "whisper": ModelLimits(num_slots=2, max_len=448)}
+    s = QosScheduler(QosConfig(models=models, token_budget=8192, max_prefill_chunk_tokens=None,
+                               realtime_prefill_chunk_tokens=32, realtime_prefill_budget_s=0.01), clock=clock)
+    # a decode step and a prefill step each: 3 ms fixed, then 50 us (vlm) and 500 us (big) per token
+    for model, per_token in (("vlm", 5e-5), ("big", 5e-4)):
+        s.observe(model, 0, 4, 0.003 + 4 * per_token)
+        s.observe(model, 600, 604, 0.003 + 604 * per_token)
+    s.observe("whisper", 0, 4, 0.01)  # steps all alike: no estimate
+    s.observe("whisper", 0, 5, 0.01)
+    assert s.prefill_s_per_token == {"vlm": pytest.approx(5e-5), "big": pytest.approx(5e-4)}
+    s.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
+    s.add(R("cap", [1] * 150, 8, qos="interactive", deadline_s=5.0, model="vlm"))
+    s.add(R("doc", [1] * 600, 8, qos="interactive", deadline_s=6.0, model="big"))
+    plan = s.schedule()
+    got = [(p.request.request_id, p.num_tokens) for p in plan.prefills]
+    # the window first; the cheap prompt whole (7.5 ms); what is left (2.5 ms: 5 tokens of the costly model) is
+    # under the smallest chunk, so the costly prompt waits for the next step
+    assert got == [("w", 6), ("cap", 150)]
+    s2 = QosScheduler(QosConfig(models=models, token_budget=8192, max_prefill_chunk_tokens=None,
+                                realtime_prefill_budget_s=0.01), clock=clock)
+    s2.observe("big", 0, 1, 0.001)
+    s2.observe("big", 600, 601, 0.601)  # 1 ms per token: 10 tokens fit, the smallest chunk (16) goes anyway
+    s2.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
+    s2.add(R("doc", [1] * 600, 8, qos="interactive", deadline_s=6.0, model="big"))
+    assert [(p.request.request_id, p.num_tokens) for p in s2.schedule().prefills] == [("w", 6), ("doc", MIN_CHUNK)]
+    s3 = QosScheduler(QosConfig(models=models, token_budget=8192, max_prefill_chunk_tokens=None,
+                                realtime_prefill_budget_s=0.01), clock=clock)  # nothing measured yet: tokens cap
+    s3.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
+    s3.add(R("cap", [1] * 150, 8, qos="interactive", deadline_s=5.0, model="vlm"))
+    assert [(p.request.request_id, p.num_tokens) for p in s3.schedule().prefills] == [("w", 6), ("cap", 32)]
