@@ -45,6 +45,8 @@ class SchedulerMetrics:
                                    ["model", "qos"], registry=r)
         self.rejections = Counter(p + "rejections", "Requests refused by admission control",
                                   ["model", "qos", "reason"], registry=r)
+        self.device_seconds = Counter(p + "device_seconds", "Seconds of device steps spent on each model's work "
+                                      "(encoders, drafts, forwards)", ["model"], registry=r)
 
     def observe_step(self, plan: StepPlan, queue_depths: dict[tuple[str, str], int], kv_fraction: float) -> None:
         """Book one plan: ``queue_depths`` per (model, qos)."""

@@ -166,6 +166,8 @@ class DeviceLoop:
         self.steps = 0
         #: thread ident of every step taken (the one-loop test reads it)
         self.step_threads: set[int] = set()
+        #: per model: seconds of device steps spent on its work (``/metrics``: ``..._device_seconds_total``)
+        self.device_seconds: dict[str, float] = {}
         self._lock = threading.Condition()
         self._submitted: list[tuple[Request, _Entry, dict]] = []
         self._cancels: list[str] = []
@@ -346,7 +348,12 @@ class DeviceLoop:
             part = parts[name]
             if not (part.prefills or part.decodes or part.encodes or part.released or part.preempted):
                 continue
+            t0 = time.perf_counter()
             out: StepOutput = self.runners[name].executor.execute(part)
+            self.device_seconds[name] = self.device_seconds.get(name, 0.0) + (time.perf_counter() - t0)
+            metrics = getattr(self.scheduler, "metrics", None)
+            if metrics is not None:
+                metrics.device_seconds.labels(name).inc(time.perf_counter() - t0)
             observe = getattr(self.scheduler, "observe", None)
             if observe is not None:
                 pre = sum(p.num_tokens for p in part.prefills)
