@@ -191,6 +191,7 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
                                              max_keyframes_per_minute,
                                              Path(attention_maps) if attention_maps else None, progress=progress))
     finally:
+        captioner.loop.stop()  # the process's device loop: its thread ends with the job
         if progress is not None:
             progress.close()
         if out is not sys.stdout:

@@ -220,7 +220,6 @@ class OpenAIState:
     def hub(self):
         if self._hub is None:
             from specstream.pipeline.defaults import default_caption_models
-            from specstream.schedulers.metrics import SchedulerMetrics
             from specstream.stages.serving import HubConfig, ModelHub
 
             s = self.settings
@@ -228,11 +227,12 @@ class OpenAIState:
             if target is None:
                 t, d = default_caption_models(quiet=True)
                 target, drafts, name = str(t), (str(d),), "specstream-tiny-llava"
-            metrics = SchedulerMetrics(self.app_state.registry, prefix="specstream_openai_scheduler_")
+            # the server's device loop and its caption VLM runner: chat, captions and subtitles share one loop
             self._hub = ModelHub(HubConfig(vlm=target, vlm_drafts=drafts, vlm_name=name, text_model=s.text_model,
                                            text_drafts=(s.text_draft,) if s.text_draft else (),
                                            speech_model=s.speech_model, clip_model=s.clip_model,
-                                           clip_pretrained=s.clip_pretrained), metrics=metrics)
+                                           clip_pretrained=s.clip_pretrained),
+                                 loop=self.app_state.loop, captioner=self.app_state.captioner)
         speech = self.app_state.speech
         if speech is not None and getattr(self.app_state, "ready", False):
             self._hub.use_speech_model(speech.model)  # the subtitle service's Whisper, shared

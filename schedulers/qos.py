@@ -1,5 +1,6 @@
-"""The cross-modality QoS scheduler: one plan per device step for encode batches, prefills and
-speculative decode steps of every request, with QoS classes, deadlines, a token budget and a KV memory budget.
+"""The cross-modality QoS scheduler: one plan per device step for every model of the device loop — encode batches,
+prefills (chunked) and speculative decode steps of every request — with QoS classes, deadlines, a token budget
+and one memory budget over every model's KV cache and encoder outputs.
 
 Policy, in the order :meth:`QosScheduler.schedule` applies it:
 
@@ -7,26 +8,37 @@ Policy, in the order :meth:`QosScheduler.schedule` applies it:
    ``realtime`` item is queued, when ``max_batch`` items are queued, or when the oldest has waited
    ``max_delay_s``. While higher-class work exists, ``batch``-class items take at most ``batch_share`` of a
    batch, so a flood of batch keyframes cannot delay subtitles.
-2. **Preemption**: a waiting ``realtime`` request that finds no slot (or no KV memory) preempts ``batch``
-   requests, most recently admitted first; their KV cache is freed and recomputed when they resume (prefill of
-   prompt + output so far), so their output is unchanged. Memory overflow preempts the lowest class, most
-   recently (first) admitted first. A request is never preempted for one of its own class, and a resumed request
-   keeps its first admission rank, so equal-priority requests never trade places back and forth.
-3. **Decodes**: every running request verifies at least its root token each step (continuous batching).
-4. **Admission** (prefills) in priority order: ``realtime`` > ``interactive`` > ``batch``, earliest deadline
-   first within a class. A ``batch`` request that has waited ``aging_s`` ranks as ``interactive`` with deadline
-   ``arrival + aging_s`` (aging moves work between interactive and batch only). ``reserved_realtime_slots`` slots
-   are for ``realtime`` only. Above ``kv_high_watermark`` of the KV budget only ``realtime`` is admitted.
+2. **Preemption**: a waiting ``realtime`` request that finds no slot of its model (or no memory) preempts
+   ``batch`` requests (of its model for a slot, of any model for memory), most recently admitted first; their KV
+   cache is freed and recomputed when they resume (prefill of prompt + output so far), so their output is
+   unchanged. Memory overflow preempts the lowest class, most recently (first) admitted first. A request is never
+   preempted for one of its own class, and a resumed request keeps its first admission rank.
+3. **Decodes**: every decoding request verifies at least its root token each step (continuous batching).
+4. **Prefills** in priority order: ``realtime`` > ``interactive`` > ``batch``, earliest deadline first within a
+   class; requests in the middle of a chunked prefill take their next chunk in the same order. A prompt is
+   **chunked** (vLLM's chunked prefill) to what the step's token budget has room for; a non-realtime request
+   prefills at most ``max_prefill_chunk_tokens`` per step, so every step stays bounded for a subtitle window that
+   arrives during it, and all non-realtime prefills together take at most ``realtime_prefill_chunk_tokens`` per
+   step while realtime work is queued or running, so the steps that carry realtime rows stay short. A ``batch`` request whose deadline slack (deadline - now - estimated
+   service time) falls below ``promote_slack_s`` is **promoted**: it leaves batch's reserved share and competes
+   for the budget ahead of every other batch request, but still after all interactive work, so it never passes a
+   higher class. ``reserved_realtime_slots`` slots per model are for ``realtime`` only. Above
+   ``kv_high_watermark`` of the memory budget only ``realtime`` is admitted.
 5. **Tree budgets**: what is left of the token budget grows trees up to what each request's drafters ask for,
    highest class first; ``batch`` keeps ``batch_share`` of the budget when it has work. Trees shrink (batch's
    first) when the step would verify more than ``spec_token_limit`` tokens (the forward turns compute-bound and
-   speculation stops paying) and, above the KV high watermark, non-realtime trees shrink to the root only.
-   Low acceptance switches speculation off per request in the executor's adaptive budget
-   (``requested_nodes``), which this scheduler honours.
+   speculation stops paying) and, above the high watermark, non-realtime trees shrink to the root only. Low
+   acceptance switches speculation off per request in the executor's adaptive budget (``requested_nodes``).
 
-Admission control (:meth:`QosScheduler.add`): a request that can never fit (context, KV budget, token budget) or
-whose class queue is full is refused at once with a retryable :class:`~specstream.errors.CapacityError`.
-The scheduler holds no tensors and reads time only from its ``clock`` (the simulator passes a virtual one).
+**Models.** A request names its model (``Request.model``); each model has its own slots and context length
+(:class:`ModelLimits`), a per-token cost relative to the budget's unit (``token_cost``) and the bytes one cached
+token holds (``kv_bytes_per_token``). With ``memory_budget_bytes`` the memory budget is in bytes over every
+model's cached tokens and the encoder outputs held; without it, one model's budget is ``kv_budget_tokens``.
+
+Admission control (:meth:`QosScheduler.add`): a request for a model that is not configured is refused with
+``model_not_loaded``; one that can never fit (context length, memory) or whose class queue is full is refused at
+once with a retryable :class:`~specstream.errors.CapacityError`. The scheduler holds no tensors and reads time
+only from its ``clock`` (the simulator passes a virtual one).
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specstream.errors import CapacityError, InvalidRequestError
+from specstream.errors import CapacityError, InvalidRequestError, ModelNotLoadedError
 from specstream.schedulers.metrics import SchedulerMetrics
 from specstream.schedulers.plan import (
     QOS_CLASSES,
@@ -52,6 +64,11 @@ from specstream.schedulers.plan import (
 )
 
 _RANK = {q: i for i, q in enumerate(QOS_CLASSES)}
+#: rank of a promoted batch request: after every interactive request, before other batch work
+_PROMOTED = _RANK["interactive"] + 0.5
+#: a prefill chunk smaller than this (unless it ends the prompt) waits for a step with more room
+MIN_CHUNK = 16
+OBSERVE_DECAY = 0.98  # weight of an older step in the per-token cost fit (about the last 50 steps count)
 
 
 @dataclass(frozen=True)
@@ -67,31 +84,68 @@ def _default_encoders() -> dict[str, EncodeBatching]:
 
 
 @dataclass(frozen=True)
+class ModelLimits:
+    """One model of the device loop, as the scheduler sees it.
+
+    Attributes:
+        num_slots: its KV cache slots.
+        max_len: tokens per slot (prompt + output + tree).
+        reserved_realtime_slots: of its slots, those only realtime requests may take.
+        kv_bytes_per_token: bytes one cached token holds (all layers, K and V); 0 = count tokens.
+        token_cost: cost of one of its tokens in a forward, relative to the token budget's unit (e.g. a
+            Whisper-tiny decoder token costs a small fraction of a 7B VLM token).
+    """
+
+    num_slots: int
+    max_len: int
+    reserved_realtime_slots: int = 0
+    kv_bytes_per_token: int = 0
+    token_cost: float = 1.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelLimits":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown model limit keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
 class QosConfig:
     """Sizes and policy knobs of :class:`QosScheduler` (documented in ``docs/scheduler.md``).
 
     Attributes:
-        num_slots: KV cache slots (concurrent running requests).
-        max_len: tokens per slot (prompt + output + tree).
-        reserved_realtime_slots: slots only ``realtime`` requests may take.
-        token_budget: most tokens verified per step (tree nodes + prefill tokens), across the batch.
-        kv_budget_tokens: KV memory budget in cached tokens over all slots; default ``num_slots * max_len``.
-        kv_bytes_per_token: bytes per cached token (reporting the budget in bytes; 0 = unknown).
-        kv_high_watermark: above this fraction of the KV budget, plan smaller (trees, then admissions).
+        num_slots, max_len, reserved_realtime_slots: the ``"default"`` model's limits when ``models`` is not given.
+        token_budget: most tokens verified per step (tree nodes + prefill tokens, weighted by each model's
+            ``token_cost``), across the batch and the models.
+        kv_budget_tokens: one model's memory budget in cached tokens; default ``num_slots * max_len``.
+        kv_bytes_per_token: bytes per cached token of the default model (0 = unknown).
+        kv_high_watermark: above this fraction of the memory budget, plan smaller (trees, then admissions).
         batch_share: fraction of the token budget and of each encode batch kept for ``batch`` work.
-        aging_s: a ``batch`` request queued this long ranks as ``interactive``.
+        promote_slack_s: a ``batch`` request whose deadline slack falls below this is promoted (see the module
+            docstring); slack = deadline - now - ``service_s_per_token`` * tokens still to generate.
+        service_s_per_token: estimated seconds per generated token of a request (slack estimate).
+        max_prefill_chunk_tokens: most prefill tokens of one non-realtime request per step (a longer prompt is
+            prefilled in chunks over several steps). None: no cap but the token budget.
+        realtime_prefill_chunk_tokens: most non-realtime prefill tokens per step, all requests together, while
+            realtime work is queued or running (at least ``MIN_CHUNK``, so a prompt still progresses under a
+            continuous subtitle stream).
+        realtime_prefill_budget_s: instead, while realtime work is active, the seconds of non-realtime prefill a
+            step may carry, from each model's measured prefill seconds per token (:meth:`QosScheduler.observe`;
+            the device loop reports every step). A cheap model's prompt then goes in one step, a large model's in
+            chunks. Until a model has been measured, ``realtime_prefill_chunk_tokens`` applies. None: tokens only.
         max_nodes_per_request: largest tree granted (root included).
         max_tree_depth: deepest draft token granted.
         spec_token_limit: verified decode tokens per step beyond which trees shrink; None = no limit.
         default_deadline_s: relative deadline per class for requests without one.
         max_queue: most queued requests per class (admission control).
         encoders: batching per modality; a request with another modality is invalid.
-        preempt: allow realtime to preempt batch. Memory overflow preempts regardless (the KV budget is a hard
+        preempt: allow realtime to preempt batch. Memory overflow preempts regardless (the budget is a hard
             limit).
-        guard_encode_items: while a ``realtime`` request is active, most non-realtime items per encode batch
-            (keeps steps short so subtitles are not delayed by keyframe floods).
-        guard_prefill_tokens: while a ``realtime`` request is active, most non-realtime prefill tokens per step
-            (at least one prefill is still admitted when nothing else is).
+        guard_encode_items: while a ``realtime`` request is active, most non-realtime items per encode batch.
+        models: per model name, its :class:`ModelLimits` (None: one model, ``"default"``, from the fields above).
+        memory_budget_bytes: one memory budget in bytes over every model's cached tokens (each needs
+            ``kv_bytes_per_token``) and the encoder outputs held; None: count tokens (``kv_budget_tokens``).
     """
 
     num_slots: int = 16
@@ -102,7 +156,11 @@ class QosConfig:
     kv_bytes_per_token: int = 0
     kv_high_watermark: float = 0.8
     batch_share: float = 0.10
-    aging_s: float = 5.0
+    promote_slack_s: float = 10.0
+    service_s_per_token: float = 0.05
+    max_prefill_chunk_tokens: int | None = 512
+    realtime_prefill_chunk_tokens: int = 32
+    realtime_prefill_budget_s: float | None = None
     max_nodes_per_request: int = 16
     max_tree_depth: int = 8
     spec_token_limit: int | None = None
@@ -112,29 +170,59 @@ class QosConfig:
     encoders: dict[str, EncodeBatching] = field(default_factory=_default_encoders)
     preempt: bool = True
     guard_encode_items: int = 2
-    guard_prefill_tokens: int = 256
+    models: dict[str, ModelLimits] | None = None
+    memory_budget_bytes: int | None = None
 
     @property
     def kv_budget(self) -> int:
-        return self.kv_budget_tokens if self.kv_budget_tokens is not None else self.num_slots * self.max_len
+        """The memory budget in its unit (bytes with ``memory_budget_bytes``, else tokens)."""
+        if self.memory_budget_bytes is not None:
+            return self.memory_budget_bytes
+        if self.models is None:
+            return self.kv_budget_tokens if self.kv_budget_tokens is not None else self.num_slots * self.max_len
+        return sum(m.num_slots * m.max_len for m in self.models.values())
+
+    def model_limits(self) -> dict[str, ModelLimits]:
+        if self.models is not None:
+            return dict(self.models)
+        return {"default": ModelLimits(self.num_slots, self.max_len, self.reserved_realtime_slots,
+                                       self.kv_bytes_per_token, 1.0)}
+
+    @property
+    def total_slots(self) -> int:
+        return sum(m.num_slots for m in self.model_limits().values())
 
     def validate(self) -> None:
-        if self.num_slots < 1 or self.max_len < 2:
-            raise ValueError("num_slots must be >= 1 and max_len >= 2")
-        if not 0 <= self.reserved_realtime_slots < self.num_slots:
-            raise ValueError("reserved_realtime_slots must be in [0, num_slots)")
-        if self.token_budget < self.num_slots + 1:
-            raise ValueError("token_budget must exceed num_slots (every running request verifies its root)")
+        limits = self.model_limits()
+        if not limits and self.memory_budget_bytes is None:
+            raise ValueError("at least one model is needed (or a memory_budget_bytes to add models to later)")
+        for name, m in limits.items():
+            if m.num_slots < 1 or m.max_len < 2:
+                raise ValueError(f"model {name!r}: num_slots must be >= 1 and max_len >= 2")
+            if not 0 <= m.reserved_realtime_slots < m.num_slots:
+                raise ValueError(f"model {name!r}: reserved_realtime_slots must be in [0, num_slots)")
+            if m.token_cost <= 0:
+                raise ValueError(f"model {name!r}: token_cost must be > 0")
+            if self.memory_budget_bytes is not None and m.kv_bytes_per_token <= 0:
+                raise ValueError(f"model {name!r}: memory_budget_bytes needs its kv_bytes_per_token")
+        if self.token_budget < self.total_slots + 1:
+            raise ValueError("token_budget must exceed the slots (every running request verifies its root)")
         if not 0 < self.kv_high_watermark <= 1 or not 0 <= self.batch_share < 1:
             raise ValueError("kv_high_watermark must be in (0, 1] and batch_share in [0, 1)")
-        if self.kv_budget > self.num_slots * self.max_len:
+        if self.models is None and self.memory_budget_bytes is None and self.kv_budget > self.num_slots * self.max_len:
             raise ValueError("kv_budget_tokens exceeds num_slots * max_len")
+        if self.max_prefill_chunk_tokens is not None and self.max_prefill_chunk_tokens < 1:
+            raise ValueError("max_prefill_chunk_tokens must be >= 1 (or None)")
+        if self.realtime_prefill_chunk_tokens < MIN_CHUNK:
+            raise ValueError(f"realtime_prefill_chunk_tokens must be >= {MIN_CHUNK}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "QosConfig":
         d = dict(d)
         if "encoders" in d:
             d["encoders"] = {m: EncodeBatching(**v) for m, v in d["encoders"].items()}
+        if "models" in d and d["models"] is not None:
+            d["models"] = {name: ModelLimits.from_dict(v) for name, v in d["models"].items()}
         for key in ("default_deadline_s", "max_queue"):
             if key in d:
                 merged = dict(getattr(cls(), key))
@@ -159,13 +247,15 @@ class _Meta:
     admit_rank: int | None = None  # first admission order (kept across preemptions)
     waits: list[float] = field(default_factory=list)  # queue waits, seconds (one per admission)
     first_prefill_s: float | None = None
+    cached: int = 0  # context tokens in the KV cache during a chunked prefill
+    planned: int = 0  # context tokens planned into the cache (cached + chunks not yet booked)
+    encoded_bytes: int = 0  # encoder outputs held (memory budget, bytes mode)
 
 
 class QosScheduler:
-    """QoS classes, deadlines, token and KV budgets, preemption and encode batching; interface of
-    :class:`~specstream.schedulers.fifo.FifoScheduler` (``add``, ``schedule``, ``update``, ``has_work``,
-    ``pop_finished``), so :class:`~specstream.stages.speculative.engine.SpeculativeEngine` takes it as
-    ``scheduler=``.
+    """QoS classes, deadlines, token and memory budgets, chunked prefill, preemption and encode batching over
+    every model of a device loop; interface of :class:`~specstream.schedulers.fifo.FifoScheduler` (``add``,
+    ``schedule``, ``update``, ``has_work``, ``pop_finished``).
 
     Args:
         config: sizes and knobs.
@@ -178,17 +268,23 @@ class QosScheduler:
                  metrics: SchedulerMetrics | None = None):
         self.config = config or QosConfig()
         self.config.validate()
+        self.limits = self.config.model_limits()
+        self.bytes_mode = self.config.memory_budget_bytes is not None
+        #: the memory budget (bytes in bytes mode, else tokens); :meth:`add_model` grows it
+        self.kv_budget = self.config.kv_budget
         self.clock = clock
         self.metrics = metrics
         self.requests: dict[str, Request] = {}
-        self.running: dict[str, Request] = {}
-        self._queued: dict[str, Request] = {}  # not running, not finished (encode pending or waiting)
+        self.running: dict[str, Request] = {}  # prefilled, decoding
+        self.prefilling: dict[str, Request] = {}  # admitted (slot held), prefill chunks still to run
+        self._queued: dict[str, Request] = {}  # not admitted, not finished (encode pending or waiting)
         self._meta: dict[str, _Meta] = {}
-        self._encode_q: dict[str, list[tuple[str, EncodeItem, float]]] = {m: [] for m in self.config.encoders}
+        self.encoders: dict[str, EncodeBatching] = dict(self.config.encoders)  # add_modality extends it
+        self._encode_q: dict[str, list[tuple[str, EncodeItem, float]]] = {m: [] for m in self.encoders}
         self._in_flight: set[str] = set()  # encode item ids planned, not yet booked
-        self.free_slots: list[int] = list(range(self.config.num_slots))[::-1]
-        self._released: list[tuple[str, int]] = []
-        self._preempted: list[tuple[str, int]] = []
+        self._free: dict[str, list[int]] = {m: list(range(lim.num_slots))[::-1] for m, lim in self.limits.items()}
+        self._released: list[tuple[str, int, str]] = []  # (request id, slot, model)
+        self._preempted: list[tuple[str, int, str]] = []
         self._step = 0
         self._seq = 0
         self._admit_rank = 0
@@ -196,6 +292,60 @@ class QosScheduler:
         self.rejections: dict[str, int] = {q: 0 for q in QOS_CLASSES}
         self.peak_kv_fraction = 0.0
         self.last_plan: StepPlan | None = None
+        #: per model: measured marginal forward seconds per token (:meth:`observe`)
+        self.prefill_s_per_token: dict[str, float] = {}
+        self._fit: dict[str, tuple[float, float, float, float, float]] = {}
+
+    # -- per model ------------------------------------------------------------------------------------------
+    @property
+    def free_slots(self) -> list[int]:
+        """Free slots of the only model (one-model schedulers; see :meth:`free_slots_of`)."""
+        if len(self._free) != 1:
+            raise AttributeError("several models: use free_slots_of(model)")
+        return next(iter(self._free.values()))
+
+    @free_slots.setter
+    def free_slots(self, value: list[int]) -> None:
+        self._free[next(iter(self._free))] = value
+
+    def free_slots_of(self, model: str) -> list[int]:
+        return self._free[model]
+
+    def add_model(self, name: str, limits: ModelLimits, memory_bytes: int = 0) -> None:
+        """Serve one more model (a runner joining the device loop); ``memory_bytes`` (bytes mode) joins the
+        memory budget: its KV cache and its encoder outputs' allowance.
+
+        Raises:
+            ValueError: the name is taken, or bytes mode without ``limits.kv_bytes_per_token``.
+        """
+        if name in self.limits:
+            raise ValueError(f"model {name!r} is already served")
+        if self.bytes_mode and limits.kv_bytes_per_token <= 0:
+            raise ValueError(f"model {name!r}: the memory budget is in bytes; give kv_bytes_per_token")
+        self.limits[name] = limits
+        self._free[name] = list(range(limits.num_slots))[::-1]
+        if self.bytes_mode:
+            self.kv_budget += memory_bytes
+        if self.metrics:
+            for q in QOS_CLASSES:
+                self.metrics.queue_depth.labels(name, q).set(0)
+
+    def add_modality(self, modality: str, batching: EncodeBatching | None = None) -> None:
+        """Batch ``modality`` inputs too (a runner joining the device loop encodes them); a modality already
+        configured keeps its batching."""
+        if modality not in self.encoders:
+            self.encoders[modality] = batching or _default_encoders().get(modality, EncodeBatching())
+            self._encode_q[modality] = []
+
+    def _lim(self, req: Request) -> ModelLimits:
+        return self.limits[req.model]
+
+    def _unit(self, req: Request) -> int:
+        """Memory units one cached token of ``req``'s model holds."""
+        return self._lim(req).kv_bytes_per_token if self.bytes_mode else 1
+
+    def _cost(self, req: Request) -> float:
+        return self._lim(req).token_cost
 
     # -- intake ---------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -203,6 +353,7 @@ class QosScheduler:
 
         Raises:
             ValueError: duplicate request id.
+            ModelNotLoadedError: its model is not one of this scheduler's.
             InvalidRequestError: unknown QoS class or encode modality.
             CapacityError: (retryable) the request can never fit (``reason`` ``"never_fits"``) or its class
                 queue is full (``reason`` ``"queue_full"``).
@@ -210,19 +361,23 @@ class QosScheduler:
         cfg = self.config
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.model not in self.limits:
+            raise ModelNotLoadedError(f"model {request.model!r} is not loaded in this process "
+                                      f"(loaded: {', '.join(sorted(self.limits))})")
         if request.qos not in _RANK:
             raise InvalidRequestError(f"unknown QoS class {request.qos!r}; expected one of {QOS_CLASSES}")
         for item in request.encodes:
-            if item.modality not in cfg.encoders:
-                raise InvalidRequestError(f"no encoder for modality {item.modality!r}; have {sorted(cfg.encoders)}")
+            if item.modality not in self.encoders:
+                raise InvalidRequestError(f"no encoder for modality {item.modality!r}; have {sorted(self.encoders)}")
+        lim = self._lim(request)
         need = len(request.prompt_ids) + request.max_new_tokens
-        share = math.ceil(cfg.batch_share * cfg.token_budget)
-        limit = min(cfg.max_len, cfg.kv_budget, cfg.token_budget - cfg.num_slots - share)
+        memory = self.kv_budget // max(1, self._unit(request))
+        limit = min(lim.max_len, memory)
         if need > limit:
             self._reject(request, "never_fits",
                          f"request {request.request_id!r} needs {need} tokens of context (prompt + max_new_tokens) "
-                         f"but at most {limit} fit (max_len {cfg.max_len}, KV budget {cfg.kv_budget} tokens, "
-                         f"token budget {cfg.token_budget})")
+                         f"but at most {limit} fit (model {request.model!r}: max_len {lim.max_len}, memory budget "
+                         f"{memory} tokens)")
         queued = sum(1 for r in self._queued.values() if r.qos == request.qos)
         if queued >= cfg.max_queue[request.qos]:
             self._reject(request, "queue_full",
@@ -241,13 +396,13 @@ class QosScheduler:
     def _reject(self, request: Request, reason: str, message: str) -> None:
         self.rejections[request.qos] += 1
         if self.metrics:
-            self.metrics.rejections.labels(request.qos, reason).inc()
+            self.metrics.rejections.labels(request.model, request.qos, reason).inc()
         err = CapacityError(message)
         err.reason = reason
         raise err
 
     def has_work(self) -> bool:
-        return bool(self._queued or self.running)
+        return bool(self._queued or self.running or self.prefilling)
 
     @property
     def waiting(self) -> list[Request]:
@@ -257,26 +412,33 @@ class QosScheduler:
 
     def next_event_s(self) -> float | None:
         """Clock time at which an encode batch that is waiting for more items becomes due (None: none waits)."""
-        times = [min(t for _, _, t in q) + self.config.encoders[m].max_delay_s
+        times = [min(t for _, _, t in q) + self.encoders[m].max_delay_s
                  for m, q in self._encode_q.items() if q]
         return min(times) if times else None
 
     # -- priorities -----------------------------------------------------------------------------------------
-    def _effective(self, req: Request, now: float) -> tuple[int, float]:
-        """(class rank, deadline) after aging: batch queued ``aging_s`` ranks as interactive."""
+    def slack_s(self, req: Request, now: float) -> float:
+        """Deadline - now - the estimated time to generate what is left (``service_s_per_token`` per token)."""
+        return self._meta[req.request_id].deadline - now - self.config.service_s_per_token * req.remaining
+
+    def _effective(self, req: Request, now: float) -> tuple[float, float]:
+        """(rank, deadline): a batch request short of slack is promoted (after interactive, before batch)."""
         meta = self._meta[req.request_id]
         rank = _RANK[req.qos]
-        if req.qos == "batch" and now - req.arrival_s >= self.config.aging_s:
-            return _RANK["interactive"], req.arrival_s + self.config.aging_s
+        if req.qos == "batch" and self.slack_s(req, now) < self.config.promote_slack_s:
+            return _PROMOTED, meta.deadline
         return rank, meta.deadline
 
     def _key(self, req: Request, now: float) -> tuple:
         rank, deadline = self._effective(req, now)
         return rank, deadline, self._meta[req.request_id].seq
 
+    def _is_batch_work(self, req: Request, now: float) -> bool:
+        return self._effective(req, now)[0] == _RANK["batch"]
+
     # -- planning -------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """Plan one step. Called by the engine loop (or the simulator) before the executor runs the plan."""
+        """Plan one step. Called by the device loop (or the simulator) before the executors run the plan."""
         now = self.clock()
         self._step += 1
         encodes = self._plan_encodes(now)
@@ -284,18 +446,19 @@ class QosScheduler:
                        key=lambda r: self._key(r, now))
         self._preempt_for_realtime(ready, now)
         self._preempt_for_memory(now)
-        budget = self.config.token_budget
+        budget = float(self.config.token_budget)
         order = sorted(self.running.values(), key=lambda r: self._key(r, now))
-        nodes = {r.request_id: 1 for r in order}  # every running request verifies its root
-        budget -= len(order)
-        reserve = self._batch_reserve(order, ready)
+        nodes = {r.request_id: 1 for r in order}  # every decoding request verifies its root
+        budget -= sum(self._cost(r) for r in order)
+        reserve = self._batch_reserve(order, ready, now)
         rt = [r for r in order if r.qos == "realtime"]
-        budget -= self._grow_trees(rt, nodes, min(budget - reserve, self._kv_left(nodes, ())))
-        prefills, budget = self._admit(ready, nodes, budget, reserve, now)
-        reserve = min(reserve, self._batch_reserve(order, []))  # what batch trees may still claim
-        inter = [r for r in order if r.qos == "interactive"]
-        budget -= self._grow_trees(inter, nodes, min(budget - reserve, self._kv_left(nodes, prefills)))
-        self._grow_trees([r for r in order if r.qos == "batch"], nodes, min(budget, self._kv_left(nodes, prefills)))
+        budget -= self._grow_trees(rt, nodes, budget - reserve, self._mem_left(nodes, ()))
+        prefills, budget = self._prefill(ready, nodes, budget, reserve, now)
+        reserve = min(reserve, self._batch_reserve(order, [], now))  # what batch trees may still claim
+        inter = [r for r in order if not self._is_batch_work(r, now) and r.qos != "realtime"]
+        budget -= self._grow_trees(inter, nodes, budget - reserve, self._mem_left(nodes, prefills))
+        self._grow_trees([r for r in order if self._is_batch_work(r, now)], nodes, budget,
+                         self._mem_left(nodes, prefills))
         decodes = tuple(DecodeWork(r, r.slot, nodes[r.request_id], self._depth(r, nodes[r.request_id]))
                         for r in order)
         released, self._released = tuple(self._released), []
@@ -304,31 +467,42 @@ class QosScheduler:
         kv = self.kv_fraction(plan)
         self.peak_kv_fraction = max(self.peak_kv_fraction, kv)
         if self.metrics:
-            depths = {q: 0 for q in QOS_CLASSES}
+            depths: dict[tuple[str, str], int] = {(m, q): 0 for m in self.limits for q in QOS_CLASSES}
             for r in self._queued.values():
-                depths[r.qos] += 1
+                depths[(r.model, r.qos)] += 1
             self.metrics.observe_step(plan, depths, kv)
         self.last_plan = plan
         return plan
 
+    def _held(self) -> int:
+        """Memory units held: cached tokens of decoding and prefilling requests, plus encoder outputs (bytes
+        mode)."""
+        held = sum(len(r.context) * self._unit(r) for r in self.running.values())
+        held += sum(self._meta[r.request_id].cached * self._unit(r) for r in self.prefilling.values())
+        if self.bytes_mode:
+            held += sum(m.encoded_bytes for m in self._meta.values())
+        return held
+
     def kv_tokens(self, plan: StepPlan | None = None) -> int:
-        """KV cache tokens held by running requests, plus what ``plan`` writes (tree nodes, prefill tokens)."""
-        held = sum(len(r.context) for r in self.running.values() if r.status is RequestStatus.RUNNING)
+        """Memory held by running and prefilling requests (tokens, or bytes with ``memory_budget_bytes``), plus
+        what ``plan`` writes (tree nodes, prefill chunks)."""
+        held = self._held()
         if plan is None:
             return held
-        # prefilled requests are in ``running`` only after update(): count their tokens here
-        return held + sum(d.node_budget for d in plan.decodes) + sum(len(p.tokens) for p in plan.prefills)
+        return held + sum(d.node_budget * self._unit(d.request) for d in plan.decodes) + sum(
+            p.num_tokens * self._unit(p.request) for p in plan.prefills)
 
     def kv_fraction(self, plan: StepPlan | None = None) -> float:
-        return self.kv_tokens(plan) / self.config.kv_budget
+        return self.kv_tokens(plan) / self.kv_budget
 
-    def _kv_left(self, nodes: dict[str, int], prefills) -> int:
-        """KV budget tokens left after holding, the planned tree nodes and the planned prefills."""
-        used = self.kv_tokens() + sum(nodes.values()) + sum(len(p.tokens) for p in prefills)
-        return max(0, self.config.kv_budget - used)
+    def _mem_left(self, nodes: dict[str, int], prefills) -> int:
+        """Memory units left after holding, the planned tree nodes and the planned prefill chunks."""
+        used = self._held() + sum(n * self._unit(self.requests[rid]) for rid, n in nodes.items()) + sum(
+            p.num_tokens * self._unit(p.request) for p in prefills)
+        return max(0, self.kv_budget - used)
 
     def _room(self, req: Request) -> int:
-        return self.config.max_len - len(req.context) + 1  # cache columns left for the root and its tree
+        return self._lim(req).max_len - len(req.context) + 1  # cache columns left for the root and its tree
 
     def _depth(self, req: Request, nodes: int) -> int:
         return max(0, min(req.remaining - 1, self.config.max_tree_depth, self._room(req) - 1, nodes - 1))
@@ -343,143 +517,201 @@ class QosScheduler:
         return max(1, want)
 
     def _kv_pressure(self) -> bool:
-        return self.kv_tokens() > self.config.kv_high_watermark * self.config.kv_budget
+        return self._held() > self.config.kv_high_watermark * self.kv_budget
 
-    def _grow_trees(self, reqs: list[Request], nodes: dict[str, int], budget: int) -> int:
-        """Grow trees of ``reqs`` (priority order) toward what they want, within ``budget`` and
-        ``spec_token_limit``; batch trees shrink first because they come last. Returns tokens spent."""
+    def _grow_trees(self, reqs: list[Request], nodes: dict[str, int], budget: float, mem: int) -> float:
+        """Grow trees of ``reqs`` (priority order) toward what they want, within the token ``budget`` (cost
+        units), the memory left ``mem`` and ``spec_token_limit``. Returns the budget spent."""
         limit = self.config.spec_token_limit
-        spent = 0
+        spent = 0.0
         for r in reqs:
             extra = self._want(r) - nodes[r.request_id]
             if limit is not None:
                 extra = min(extra, limit - sum(nodes.values()))
-            extra = max(0, min(extra, budget - spent))
+            extra = min(extra, math.floor((budget - spent) / self._cost(r) + 1e-9), mem // max(1, self._unit(r)))
+            extra = max(0, extra)
             nodes[r.request_id] += extra
-            spent += extra
+            spent += extra * self._cost(r)
+            mem -= extra * self._unit(r)
         return spent
 
-    def _batch_reserve(self, running: list[Request], ready: list[Request]) -> int:
-        """Tokens kept for ``batch`` work this step: its guaranteed share, bounded by what it could use."""
+    def _batch_reserve(self, running: list[Request], ready: list[Request], now: float) -> float:
+        """Budget kept for ``batch`` work this step: its guaranteed share, bounded by what it could use."""
         share = math.ceil(self.config.batch_share * self.config.token_budget)
-        demand = sum(self._want(r) - 1 for r in running if r.qos == "batch")
-        nxt = next((r for r in ready if r.qos == "batch"), None)
-        nonrt = sum(1 for r in running if r.qos != "realtime")
-        if nxt is not None and self.free_slots and nonrt < self.config.num_slots - self.config.reserved_realtime_slots:
-            demand += len(nxt.context)
+        demand = sum((self._want(r) - 1) * self._cost(r) for r in running if self._is_batch_work(r, now))
+        demand += sum(min(len(r.context) - self._meta[r.request_id].planned, share) * self._cost(r)
+                      for r in self.prefilling.values() if self._is_batch_work(r, now))
+        nxt = next((r for r in ready if self._is_batch_work(r, now)), None)
+        if nxt is not None and self._can_take_slot(nxt):
+            demand += len(nxt.context) * self._cost(nxt)
         return min(share, demand)
 
-    def _admit(self, ready: list[Request], nodes: dict[str, int], budget: int, reserve: int,
-               now: float) -> tuple[list[PrefillWork], int]:
-        """Admit ready requests in priority order; returns the prefills and the budget left."""
+    def _can_take_slot(self, req: Request) -> bool:
+        lim = self._lim(req)
+        if not self._free[req.model]:
+            return False
+        if req.qos == "realtime":
+            return True
+        nonrt = sum(1 for r in list(self.running.values()) + list(self.prefilling.values())
+                    if r.model == req.model and r.qos != "realtime")
+        return nonrt < lim.num_slots - lim.reserved_realtime_slots
+
+    def _prefill(self, ready: list[Request], nodes: dict[str, int], budget: float, reserve: float,
+                 now: float) -> tuple[list[PrefillWork], float]:
+        """Prefill chunks in priority order: requests in the middle of a chunked prefill and newly admitted ones.
+        Returns the work and the budget left."""
         cfg = self.config
         prefills: list[PrefillWork] = []
-        growth = sum(nodes.values())
-        nonrt = sum(1 for r in self.running.values() if r.qos != "realtime")
+        growth = sum(n * self._unit(self.requests[rid]) for rid, n in nodes.items())
         only_batch = False  # set when a higher request waits for tokens kept for batch's share
         rt_active = self._realtime_active()
-        guarded = 0  # non-realtime prefill tokens admitted while realtime is active
-        for req in ready:
-            rank, _ = self._effective(req, now)
-            is_batch_work = req.qos == "batch" and rank == _RANK["batch"]
-            if only_batch and not is_batch_work:
+        cap = cfg.realtime_prefill_chunk_tokens if rt_active else None
+        guarded = 0  # non-realtime prefill tokens planned this step while realtime is active
+        spent_s = 0.0  # their estimated seconds (realtime_prefill_budget_s)
+        cands = sorted(list(self.prefilling.values()) + ready, key=lambda r: self._key(r, now))
+        for req in cands:
+            cont = req.request_id in self.prefilling
+            batch_work = self._is_batch_work(req, now)
+            if only_batch and not batch_work:
                 continue
-            room = budget if is_batch_work else budget - reserve
-            size = len(req.context)
-            if req.qos != "realtime" and rt_active and guarded + size > cfg.guard_prefill_tokens and (
-                    guarded or self.running):
-                break  # realtime work is active: keep this step short
-
-            if not self.free_slots:
-                break
-            if size > room:
+            if not cont and not self._free[req.model]:
+                continue  # no slot of its model (another model's request may still go)
+            meta = self._meta[req.request_id]
+            start = meta.planned if cont else 0
+            left = len(req.context) - start
+            room = math.floor((budget if batch_work else budget - reserve) / self._cost(req) + 1e-9)
+            n = left
+            if req.qos != "realtime":
+                if cfg.max_prefill_chunk_tokens is not None:
+                    n = min(n, cfg.max_prefill_chunk_tokens)
+                est = self.prefill_s_per_token.get(req.model) if cfg.realtime_prefill_budget_s else None
+                if cap is not None and est is not None:
+                    allowed = math.floor((cfg.realtime_prefill_budget_s - spent_s) / est + 1e-9)
+                    if not guarded:
+                        allowed = max(allowed, MIN_CHUNK)  # the step's first prefill always progresses
+                    n = min(n, allowed)
+                    if n <= 0:
+                        break  # realtime work is active: this step's prefill share is spent
+                elif cap is not None:
+                    n = min(n, cap - guarded)
+                    if n <= 0:
+                        break  # realtime work is active: this step's prefill share is spent
+            if n > room:
                 if req.qos == "realtime":
                     continue  # a later realtime request may still fit
-                if size <= budget:
+                if room >= MIN_CHUNK:
+                    n = room  # chunk it to what fits
+                elif left * self._cost(req) <= budget:
                     only_batch = True  # batch may use its guaranteed share; nothing else overtakes
                     continue
-                break  # never let lower-priority work overtake a request that waits for budget
-            if req.qos != "realtime" and nonrt >= cfg.num_slots - cfg.reserved_realtime_slots:
+                else:
+                    break  # never let lower-priority work overtake a request that waits for budget
+            if n < min(MIN_CHUNK, left):
                 break
-            held = sum(len(r.context) for r in self.running.values())
-            limit = cfg.kv_budget if req.qos == "realtime" else cfg.kv_high_watermark * cfg.kv_budget
-            if (self.running or prefills) and held + growth + size + req.remaining > limit:
-                if req.qos == "realtime":
-                    continue
-                break
-            self._queued.pop(req.request_id)
-            req.slot = self.free_slots.pop()
-            req.status = RequestStatus.RUNNING
-            meta = self._meta[req.request_id]
-            if meta.admit_rank is None:
-                meta.admit_rank = self._admit_rank
-                self._admit_rank += 1
-            wait = now - meta.wait_since
-            meta.waits.append(wait)
-            if meta.first_prefill_s is None:
-                meta.first_prefill_s = now
-            if self.metrics:
-                self.metrics.queue_wait.labels(req.qos).observe(wait)
-            prefills.append(PrefillWork(req, req.slot))
-            budget -= size
-            growth += size
+            if not cont:
+                if not self._can_take_slot(req):
+                    continue  # the model's other slots are reserved for realtime
+                limit = self.kv_budget if req.qos == "realtime" else cfg.kv_high_watermark * self.kv_budget
+                need = (len(req.context) + req.remaining) * self._unit(req)
+                if (self.running or self.prefilling or prefills) and self._held() + growth + need > limit:
+                    if req.qos == "realtime":
+                        continue
+                    break
+                self._admit(req, now)
+            prefills.append(PrefillWork(req, req.slot, n, start))
+            meta.planned = start + n
+            budget -= n * self._cost(req)
+            growth += n * self._unit(req)
             if req.qos != "realtime":
-                guarded += size
-            if req.qos != "realtime":
-                nonrt += 1
-            if is_batch_work:
-                reserve = max(0, reserve - size)
+                guarded += n
+                spent_s += n * self.prefill_s_per_token.get(req.model, 0.0)
+            if batch_work:
+                reserve = max(0.0, reserve - n * self._cost(req))
         return prefills, budget
 
+    def _admit(self, req: Request, now: float) -> None:
+        self._queued.pop(req.request_id)
+        req.slot = self._free[req.model].pop()
+        req.status = RequestStatus.RUNNING
+        self.prefilling[req.request_id] = req
+        meta = self._meta[req.request_id]
+        meta.cached = meta.planned = 0
+        if meta.admit_rank is None:
+            meta.admit_rank = self._admit_rank
+            self._admit_rank += 1
+        wait = now - meta.wait_since
+        meta.waits.append(wait)
+        if meta.first_prefill_s is None:
+            meta.first_prefill_s = now
+        if self.metrics:
+            self.metrics.queue_wait.labels(req.model, req.qos).observe(wait)
+
     # -- preemption -----------------------------------------------------------------------------------------
-    def _victims(self, classes: tuple[str, ...]) -> list[Request]:
-        """Preemptible running requests of ``classes``: lowest class first, most recently first admitted first."""
-        cands = [r for r in self.running.values() if r.qos in classes]
+    def _victims(self, classes: tuple[str, ...], model: str | None = None) -> list[Request]:
+        """Preemptible requests of ``classes`` (of ``model`` when given): lowest class first, most recently
+        first admitted first."""
+        cands = [r for r in list(self.running.values()) + list(self.prefilling.values())
+                 if r.qos in classes and (model is None or r.model == model)]
         return sorted(cands, key=lambda r: (-_RANK[r.qos], -self._meta[r.request_id].admit_rank))
 
     def _preempt_for_realtime(self, ready: list[Request], now: float) -> None:
         if not self.config.preempt:
             return
-        rt = [r for r in ready if r.qos == "realtime"]
-        victims = self._victims(("batch",))
-        free = len(self.free_slots)
-        held = sum(len(r.context) for r in self.running.values())
-        for req in rt:
-            need_kv = held + len(req.context) + req.remaining - self.config.kv_budget
-            while victims and (free < 1 or need_kv > 0):
-                v = victims.pop(0)
-                need_kv -= len(v.context)
-                held -= len(v.context)
+        free = {m: len(v) for m, v in self._free.items()}
+        held = self._held()
+        for req in (r for r in ready if r.qos == "realtime"):
+            need_mem = held + (len(req.context) + req.remaining) * self._unit(req) - self.kv_budget
+            slot_victims = self._victims(("batch",), req.model)
+            while slot_victims and free[req.model] < 1:
+                v = slot_victims.pop(0)
+                need_mem -= self._freed(v)
+                held -= self._freed(v)
                 self._preempt(v, now)
-                free += 1
-            if free < 1 or need_kv > 0:
+                free[req.model] += 1
+            mem_victims = self._victims(("batch",))
+            while mem_victims and need_mem > 0:
+                v = mem_victims.pop(0)
+                need_mem -= self._freed(v)
+                held -= self._freed(v)
+                self._preempt(v, now)
+                free[v.model] += 1
+            if free[req.model] < 1 or need_mem > 0:
                 return
-            free -= 1
-            held += len(req.context) + req.remaining
+            free[req.model] -= 1
+            held += (len(req.context) + req.remaining) * self._unit(req)
+
+    def _freed(self, req: Request) -> int:
+        cached = len(req.context) if req.request_id in self.running else self._meta[req.request_id].cached
+        return cached * self._unit(req)
 
     def _preempt_for_memory(self, now: float) -> None:
-        """Preempt when holding plus one root per running request would exceed the KV budget."""
+        """Preempt when holding plus one root per decoding request would exceed the memory budget."""
         victims = self._victims(QOS_CLASSES)
-        while len(self.running) > 1 and self.kv_tokens() + len(self.running) > self.config.kv_budget:
+        while (len(self.running) + len(self.prefilling) > 1 and victims and self._held() + sum(
+                self._unit(r) for r in self.running.values()) > self.kv_budget):
             self._preempt(victims.pop(0), now)
 
     def _preempt(self, req: Request, now: float) -> None:
-        self.running.pop(req.request_id)
-        self._preempted.append((req.request_id, req.slot))
-        self.free_slots.append(req.slot)
+        self.running.pop(req.request_id, None)
+        self.prefilling.pop(req.request_id, None)
+        self._preempted.append((req.request_id, req.slot, req.model))
+        self._free[req.model].append(req.slot)
         req.slot = None
         req.status = RequestStatus.WAITING
         req.preemptions += 1
         self._queued[req.request_id] = req
-        self._meta[req.request_id].wait_since = now
+        meta = self._meta[req.request_id]
+        meta.wait_since = now
+        meta.cached = meta.planned = 0
         self.preemptions += 1
         if self.metrics:
-            self.metrics.preemptions.labels(req.qos).inc()
+            self.metrics.preemptions.labels(req.model, req.qos).inc()
 
     # -- encode batching ------------------------------------------------------------------------------------
     def _realtime_active(self) -> bool:
         return any(r.qos == "realtime" for r in self.running.values()) or any(
-            r.qos == "realtime" for r in self._queued.values())
+            r.qos == "realtime" for r in self._queued.values()) or any(
+            r.qos == "realtime" for r in self.prefilling.values())
 
     def _plan_encodes(self, now: float) -> tuple[EncodeWork, ...]:
         works = []
@@ -489,7 +721,7 @@ class QosScheduler:
         for modality, queue in self._encode_q.items():
             if not queue:
                 continue
-            bcfg = self.config.encoders[modality]
+            bcfg = self.encoders[modality]
             has_rt = any(self.requests[rid].qos == "realtime" for rid, _, _ in queue)
             due = min(t for _, _, t in queue) + bcfg.max_delay_s <= now + 1e-12
             if not (has_rt or due or len(queue) >= bcfg.max_batch):
@@ -499,7 +731,7 @@ class QosScheduler:
             taken, rest, n_batch, n_other = [], [], 0, 0
             for entry in queue:
                 rid = entry[0]
-                is_batch = self._effective(self.requests[rid], now)[0] == _RANK["batch"]
+                is_batch = self._is_batch_work(self.requests[rid], now)
                 is_rt = self.requests[rid].qos == "realtime"
                 if (len(taken) >= bcfg.max_batch or (is_batch and batch_cap is not None and n_batch >= batch_cap)
                         or (rt_active and not is_rt and n_other >= self.config.guard_encode_items)):
@@ -516,8 +748,28 @@ class QosScheduler:
         return tuple(works)
 
     # -- booking --------------------------------------------------------------------------------------------
+    def observe(self, model: str, prefill_tokens: int, tokens: int, seconds: float) -> None:
+        """One model's work in a step took ``seconds`` for ``tokens`` (prefill tokens + tree nodes; ``prefill_tokens``
+        of them prefill). The model's marginal seconds per token is the slope of a least-squares line through
+        its recent steps (exponentially forgotten, weight ``OBSERVE_DECAY`` per step): a step's fixed cost (the
+        weights read, the drafts, Python) is the intercept, so small chunks do not make tokens look costly. Read
+        by ``realtime_prefill_budget_s``; unknown until the model's steps differ enough in size."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        w, sx, sy, sxx, sxy = self._fit.get(model, (0.0, 0.0, 0.0, 0.0, 0.0))
+        d = OBSERVE_DECAY
+        w, sx, sy = d * w + 1, d * sx + tokens, d * sy + seconds
+        sxx, sxy = d * sxx + tokens * tokens, d * sxy + tokens * seconds
+        self._fit[model] = (w, sx, sy, sxx, sxy)
+        var = sxx / w - (sx / w) ** 2
+        if var < MIN_CHUNK ** 2 / 4:  # steps too alike in size to tell the per-token part from the fixed one
+            return
+        slope = (sxy / w - (sx / w) * (sy / w)) / var
+        if slope > 0:
+            self.prefill_s_per_token[model] = slope
+
     def update(self, output: StepOutput) -> list[Request]:
-        """Book a step's results (called by the engine loop after the executor); returns finished requests."""
+        """Book a step's results (called by the device loop after the executors); returns finished requests."""
         finished = []
         now = self.clock()
         for enc in output.encoded:
@@ -526,7 +778,9 @@ class QosScheduler:
             if req is None or req.finished:
                 continue
             meta = self._meta[req.request_id]
-            meta.pending.pop(enc.item_id, None)
+            item = meta.pending.pop(enc.item_id, None)
+            if item is not None and enc.error is None:
+                meta.encoded_bytes += item.out_bytes
             if enc.error is not None:
                 req.error = enc.error
                 req.finish_reason = "error"
@@ -537,8 +791,14 @@ class QosScheduler:
             if req.finished:
                 continue
             done = book_step_result(req, res, now)
-            if res.is_prefill:
-                self.running[req.request_id] = req
+            if res.is_prefill and res.error is None:
+                meta = self._meta[req.request_id]
+                if res.prefill_done:
+                    self.prefilling.pop(req.request_id, None)
+                    meta.cached = meta.planned = 0
+                    self.running[req.request_id] = req
+                else:
+                    meta.cached = meta.planned
             if done:
                 self._finish(req)
                 finished.append(req)
@@ -547,14 +807,28 @@ class QosScheduler:
     def _finish(self, req: Request) -> None:
         req.status = RequestStatus.FINISHED
         self.running.pop(req.request_id, None)
+        self.prefilling.pop(req.request_id, None)
         self._queued.pop(req.request_id, None)
+        meta = self._meta.get(req.request_id)
+        if meta is not None:
+            meta.encoded_bytes = 0  # the request's encoder outputs are dropped with it
         for modality, queue in self._encode_q.items():
             self._encode_q[modality] = [e for e in queue if e[0] != req.request_id]
         if req.slot is not None:
-            self.free_slots.append(req.slot)
-            self._released.append((req.request_id, req.slot))
+            self._free[req.model].append(req.slot)
+            self._released.append((req.request_id, req.slot, req.model))
         if self.metrics and req.stats.target_steps:
-            self.metrics.tau.labels(req.qos).observe(req.stats.tau)
+            self.metrics.tau.labels(req.model, req.qos).observe(req.stats.tau)
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Stop a request now (its client went away): finished with reason ``cancelled``, its slot released at
+        the next step. Returns it, or None when it is unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return None
+        req.finish_reason = "cancelled"
+        self._finish(req)
+        return req
 
     def pop_finished(self, request_id: str) -> Request:
         """Forget a finished request (the caller has its output)."""

@@ -10,9 +10,13 @@ live engine's — over a trace on a virtual clock, so one trace gives comparable
 CLI contract (keep stable): ``specstream simulate --trace TRACE.jsonl [--config CONFIG] --json`` prints
 ``{"classes": {"realtime"|"interactive"|"batch": {"completed", "rejected", "p50_ms", "p99_ms",
 "slo_attainment"}}, "max_wait_ms", "preemptions", "peak_kv_fraction"}``. Trace lines: ``{"t_ms", "id", "qos",
-"deadline_ms", "images", "audio_s", "prompt_tokens", "max_new_tokens", "acceptance"}`` (``prompt_tokens`` is the
-whole prefill: text plus visual tokens). Latency is arrival to last token; ``slo_attainment`` = finished within
-deadline / (completed + rejected).
+"deadline_ms", "images", "audio_s", "prompt_tokens", "max_new_tokens", "acceptance", "model"}`` (``prompt_tokens``
+is the whole prefill: text plus visual tokens; ``model`` is optional, ``"default"`` when absent). Latency is
+arrival to last token; ``slo_attainment`` = finished within deadline / (completed + rejected).
+
+The simulator models the device loop: several models (``SimConfig.models``: each its slots and context length,
+and its own cost terms), one plan per step over all of them, each model with rows running its own forward, and
+chunked prefills.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class TraceEvent:
     images: int = 0
     audio_s: float = 0.0
     acceptance: float = 0.0
+    model: str = "default"
 
     @classmethod
     def from_dict(cls, d: dict) -> "TraceEvent":
@@ -76,7 +81,7 @@ class TraceEvent:
             raise ValueError(f"trace line {d.get('id', '?')!r} lacks {sorted(missing)}")
         ev = cls(float(d["t_ms"]), str(d["id"]), str(d["qos"]), float(d["deadline_ms"]), int(d["prompt_tokens"]),
                  int(d["max_new_tokens"]), int(d.get("images", 0)), float(d.get("audio_s", 0.0)),
-                 float(d.get("acceptance", 0.0)))
+                 float(d.get("acceptance", 0.0)), str(d.get("model", "default")))
         if ev.qos not in QOS_CLASSES:
             raise ValueError(f"trace line {ev.id!r}: unknown qos {ev.qos!r}")
         if ev.prompt_tokens < 1 or ev.max_new_tokens < 1 or not 0.0 <= ev.acceptance <= 1.0:
@@ -97,7 +102,7 @@ class TraceEvent:
         t = self.t_ms / 1000.0
         ids = prompt_ids if prompt_ids is not None else [1] * self.prompt_tokens
         return Request(self.id, ids, self.max_new_tokens, qos=self.qos, deadline_s=t + self.deadline_ms / 1000.0,
-                       arrival_s=t, encodes=self.encodes())
+                       arrival_s=t, encodes=self.encodes(), model=self.model)
 
 
 def load_trace(path: str | Path) -> list[TraceEvent]:
@@ -173,20 +178,23 @@ class SimExecutor:
         return self._budgets[rid]
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        for rid, slot in plan.released:
+        for rid, slot, *_ in plan.released:
             self.lengths.pop(slot, None)
             self._carry.pop(rid, None)
             self._budgets.pop(rid, None)
-        for rid, slot in plan.preempted:
+        for rid, slot, *_ in plan.preempted:
             self.lengths.pop(slot, None)
         encoded = tuple(EncodeResult(rid, item.item_id) for w in plan.encodes for rid, item in w.items)
         results = []
         peak = sum(self.lengths.values())
         for work in plan.prefills:
             req = work.request
-            self.lengths[work.slot] = len(work.tokens)
-            peak += len(work.tokens)
-            results.append(self._commit(req, 0, 0, True))
+            self.lengths[work.slot] = work.start + work.num_tokens
+            peak += work.num_tokens
+            if work.final:
+                results.append(self._commit(req, 0, 0, True))
+            else:  # a chunk of a longer prefill: cached, nothing committed yet
+                results.append(RequestStepResult(req.request_id, is_prefill=True, prefill_done=False))
         for work in plan.decodes:
             req = work.request
             peak += work.node_budget
@@ -337,10 +345,11 @@ def replay(events: list[TraceEvent], scheduler, step: Callable[[], list[Request]
 class SimConfig:
     """Simulator configuration (a JSON file for ``--config``; every key optional).
 
-    Keys: ``policy`` (``"qos"`` | ``"fifo"`` | ``"static"``), ``scheduler`` (:class:`QosConfig` keys),
-    ``cost_profile`` (``"cpu-2core"`` | ``"h200-est"``), ``cost`` (overrides of :class:`CostModel` fields;
-    ``encoders`` as ``{modality: {fixed_s, per_quantum_s, quantum}}``), ``tree_widths``, ``full_nodes``,
-    ``adaptive``, ``static_batch_size``, ``static_max_wait_s``.
+    Keys: ``policy`` (``"qos"`` | ``"fifo"`` | ``"static"``), ``scheduler`` (:class:`QosConfig` keys; its
+    ``models`` give each model's slots and context length), ``cost_profile`` (``"cpu-2core"`` | ``"h200-est"``),
+    ``cost`` (overrides of :class:`CostModel` fields; ``encoders`` as ``{modality: {fixed_s, per_quantum_s,
+    quantum}}``; ``models`` as ``{model: {cost_profile, ...overrides}}``: each model's own forward cost),
+    ``tree_widths``, ``full_nodes``, ``adaptive``, ``static_batch_size``, ``static_max_wait_s``.
     """
 
     policy: str = "qos"
@@ -362,6 +371,12 @@ class SimConfig:
             raise ValueError(f"unknown simulator config keys: {sorted(unknown)}")
         cost = get_profile(d.get("cost_profile", "cpu-2core"))
         overrides = dict(d.get("cost", {}))
+        if "models" in overrides:
+            per_model = {}
+            for name, m in overrides.pop("models").items():
+                m = dict(m)
+                per_model[name] = get_profile(m.pop("cost_profile", cost.name)).with_(**m)
+            overrides["models"] = per_model
         if "encoders" in overrides:
             encs = dict(cost.encoders)
             encs.update({m: EncodeCost(**v) for m, v in overrides.pop("encoders").items()})

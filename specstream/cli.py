@@ -299,6 +299,8 @@ PASSTHROUGH = {
                       "throughput over 1, 2, 4 Kafka workers", "specstream.pipeline.bench_qa:bench_qa_main"),
     ("bench", "subtitles"): ("live subtitles: final latency, pass times, RTF, drafted steps, concurrent streams",
                              "specstream.pipeline.bench_subtitles:bench_subtitles_main"),
+    ("bench", "mixed"): ("live subtitles beside a caption flood in one serve process: subtitle p95 and WER, caption "
+                         "throughput; several designs side by side", "specstream.pipeline.bench_mixed:bench_mixed_main"),
 }
 
 

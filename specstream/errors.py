@@ -145,7 +145,8 @@ class UnsupportedTaskError(InvalidRequestError):
 
 
 class ModelNotLoadedError(InvalidRequestError):
-    """The request names a model this process does not serve (``GET /v1/models`` lists those it does)."""
+    """The request names a model this process does not serve: not configured, or it failed to load
+    (``GET /v1/models`` lists those it does)."""
 
     code = "model_not_loaded"
 

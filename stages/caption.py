@@ -37,7 +37,7 @@ from specstream.errors import (
 from specstream.modalities.source import open_source
 from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, Broker, Message
 from specstream.pipeline.messages import CaptionParams, ErrorInfo, PipelineRequest, PipelineResult
-from specstream.schedulers.plan import EncodeItem, EncodeWork, Request
+from specstream.schedulers.plan import Request
 
 log = logging.getLogger("specstream.caption")
 
@@ -334,7 +334,12 @@ class CaptionStats:
 
 
 class Captioner:
-    """The caption model set: target VLM, drafters, engine (QoS scheduler) and the image encoder.
+    """The caption model in the device loop: a ``"vlm"`` runner (target VLM, drafters, KV cache), its image
+    encoder and its prefill hook.
+
+    A caption request carries its prepared image as a multimodal input (``Request.mm_inputs``); the loop's
+    scheduler batches image encodes with everyone's decode steps, the runner's encoder stores the vision tower's
+    features in the request's record, and the prefill hook turns them into the prompt embeddings.
 
     Args:
         target: LLaVA-family checkpoint (dir or hub id).
@@ -342,17 +347,19 @@ class Captioner:
         tree: draft tree shape (``TreeSpec``).
         temporal: draft from the previous keyframe's caption of the same video.
         visual_aware: smaller trees where the target attends strongly to the image.
-        num_slots, max_len: engine sizes.
+        num_slots, max_len: the runner's KV cache sizes.
+        loop: the device loop to join (the process's one loop); None: a loop of its own (a one-model process).
+        name: the model's name in the loop (requests name it).
     """
 
     def __init__(self, target, drafts=(), tree=None, temporal: bool = True, ngram: bool = False,
                  visual_aware: bool = True, num_slots: int = 8, max_len: int = 1024, dtype: str = "float32",
-                 device: str = "cpu", attention_maps: bool = False):
-        from specstream.schedulers.qos import QosConfig, QosScheduler
+                 device: str = "cpu", attention_maps: bool = False, loop=None, name: str = "vlm"):
+        from specstream.stages.device_loop import DeviceLoop, ModelRunner, new_qos_scheduler
         from specstream.stages.speculative.drafters.model import ModelDrafter, TreeSpec
         from specstream.stages.speculative.drafters.ngram import NgramDrafter
         from specstream.stages.speculative.drafters.temporal import TemporalDrafter
-        from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+        from specstream.stages.speculative.executor import SpeculativeExecutor
         from specstream.stages.speculative.models.loader import check_same_tokenizer, load_decoder, \
             resolve_checkpoint
         from specstream.stages.speculative.models.vlm import VisionLanguageModel
@@ -375,60 +382,73 @@ class Captioner:
         if ngram:
             drafters.append(NgramDrafter(max_depth=tree.depth))
         full = max(tree.num_nodes(), 9)
-        scheduler = QosScheduler(QosConfig(num_slots=num_slots, max_len=max_len, reserved_realtime_slots=0,
-                                           token_budget=max(4096, num_slots * (full + 1)),
-                                           max_nodes_per_request=full, max_tree_depth=tree.depth))
-        self.engine = SpeculativeEngine(dec, drafters, EngineConfig(num_slots=num_slots, max_len=max_len,
-                                                                     tree=tree, max_nodes_per_request=full,
-                                                                     visual_aware=visual_aware,
-                                                                     # results are idempotent by (id, seq): a
-                                                                     # redelivered frame must repeat its stats
-                                                                     cost_aware=False),
-                                        self.vlm.eos_token_ids, scheduler=scheduler)
+        executor = SpeculativeExecutor(dec, drafters, num_slots, max_len, full_nodes=full, adaptive=True,
+                                       visual_aware=visual_aware)
+        # results are idempotent by (id, seq): a redelivered frame must repeat its stats, so tree sizes must not
+        # depend on timing
+        executor.cost_aware = False
+        self.runner = ModelRunner(name, executor, None, tuple(self.vlm.eos_token_ids), max_len,
+                                  encoder_bytes=num_slots * self._features_bytes())
+        self.runner.register_encoder("image", self._encode)
+        self.runner.set_prefill_hook(self._prefill_inputs)
+        if loop is None:
+            sched = new_qos_scheduler(token_budget=max(4096, num_slots * (full + 1)), max_nodes_per_request=full,
+                                      max_tree_depth=tree.depth)
+            loop = DeviceLoop([], sched, device=str(device))
+        loop.add_runner(self.runner)
+        self.loop = loop
         self.export_attention = attention_maps or visual_aware
-        self.engine.executor.encoders["image"] = self._encode
-        self._media: dict[str, tuple[str, Any]] = {}
         self._ids = itertools.count()
 
-    def _encode(self, work: EncodeWork) -> None:
-        """Encoder registry entry: one vision-tower batch for the work's images; stores prompt embeddings."""
-        items = [(rid, self._media.pop(item.item_id)) for rid, item in work.items]
-        feats = self.vlm.encode([prep for _, (_, prep) in items])
-        for (rid, (_, prep)), f in zip(items, feats):
-            self.engine.executor.prefix_embeds[rid] = self.vlm.prompt_embeds(prep, f)
+    def _features_bytes(self) -> int:
+        """Bytes of one image's prompt embeddings (visual tokens x hidden x 4), the memory budget's estimate."""
+        cfg = self.vlm.decoder.config
+        return int(getattr(self.vlm, "image_seq_length", 576) or 576) * cfg.hidden_size * 4
+
+    def _encode(self, items) -> None:
+        """The runner's image encoder: one vision-tower batch; features into each request's record."""
+        feats = self.vlm.encode([mm.data for _, mm in items])
+        for (state, mm), f in zip(items, feats):
+            state.mm_outputs[mm.item_id] = f
+
+    def _prefill_inputs(self, state) -> None:
+        """The runner's prefill hook: the request's image features spliced into its prompt embeddings."""
+        for m in state.request.mm_inputs:  # one input per prompt: all its images (vlm.encode concatenates them)
+            if m.item_id in state.mm_outputs:
+                state.prefix_embeds = self.vlm.prompt_embeds(m.data, state.mm_outputs[m.item_id])
+
+    @property
+    def executor(self):
+        return self.runner.executor
 
     def make_request(self, prepared, max_new_tokens: int, qos: str = "interactive",
                      hypothesis: list[int] | None = None, *, sampling=None, logprobs: bool = False,
                      logits_processors=()) -> Request:
-        """A request for one prepared prompt (its images, one or several, or none; not yet queued); :meth:`forget`
-        it if it is never run. ``sampling`` (default greedy), ``logprobs`` and ``logits_processors`` are passed to
-        ``SpeculativeEngine.make_request``.
+        """A request for one prepared prompt (its images, one or several, or none; not yet queued). Its images
+        travel as one multimodal input, encoded by the runner's image encoder. ``sampling`` (default greedy),
+        ``logprobs`` and ``logits_processors`` are passed to ``ModelRunner.make_request``.
 
         Raises:
             ContextLengthError: the prompt with its image tokens leaves no room for a new token.
-            InvalidRequestError: see ``SpeculativeEngine.make_request``.
+            InvalidRequestError: see ``ModelRunner.make_request``.
         """
+        from specstream.schedulers.plan import MMInput
+
         rid = f"cap-{next(self._ids)}"
-        item = EncodeItem(f"{rid}/img", "image", float(max(1, prepared.num_images)))
         span = None
         if self.export_attention and prepared.visual_positions:
             pos = prepared.visual_positions
             if pos[-1] - pos[0] + 1 == len(pos):
                 span = (pos[0], pos[-1] + 1)
-        req = self.engine.make_request(prepared.input_ids, max_new_tokens, sampling, request_id=rid, qos=qos,
-                                       encodes=(item,) if prepared.num_images else (),
-                                       draft_prompt_ids=prepared.draft_ids, visual_span=span, logprobs=logprobs,
-                                       logits_processors=logits_processors,
-                                       draft_hypothesis=tuple(hypothesis) if self.temporal is not None and hypothesis
-                                       else None)
+        mm = ()
         if prepared.num_images:
-            self._media[item.item_id] = (rid, prepared)  # only once the request is valid: nothing to undo before
-        return req
-
-    def forget(self, request_id: str) -> None:
-        """Drop what :meth:`make_request` kept for a request the engine never took (refused, or abandoned before
-        it was added)."""
-        self._media.pop(f"{request_id}/img", None)
+            mm = (MMInput(f"{rid}/img", "image", prepared, float(prepared.num_images),
+                          len(prepared.visual_positions or ()) * self.vlm.decoder.config.hidden_size * 4),)
+        return self.runner.make_request(prepared.input_ids, max_new_tokens, sampling, request_id=rid, qos=qos,
+                                        mm_inputs=mm, draft_prompt_ids=prepared.draft_ids, visual_span=span,
+                                        logprobs=logprobs, logits_processors=logits_processors,
+                                        draft_hypothesis=tuple(hypothesis) if self.temporal is not None
+                                        and hypothesis else None)
 
     def text(self, tokens: list[int]) -> str:
         eos = set(self.vlm.eos_token_ids)
@@ -456,11 +476,9 @@ class CaptionStage:
 
     def __init__(self, broker: Broker, captioner: Captioner, attention_maps: Path | None = None,
                  chain_store=None, max_in_flight: int = 8):
-        from specstream.stages.decode import EngineDriver
-
         self.broker = broker
         self.captioner = captioner
-        self.driver = EngineDriver(captioner.engine)
+        self.loop = captioner.loop
         self.attention_maps = attention_maps
         self.chain_store = chain_store
         self.stats = CaptionStats()
@@ -469,7 +487,7 @@ class CaptionStage:
         self._map_stems: dict[str, str] = {}  # source -> its attention maps' file-name stem (unique per source)
 
     async def run(self) -> None:
-        self.driver.start()
+        self.loop.start()  # the device loop's thread (idempotent: the loop may serve other stages too)
         tasks = set()
         window = asyncio.Semaphore(self.max_in_flight)
         frames = self.broker.subscribe(TOPIC_FRAMES).__aiter__()
@@ -495,13 +513,9 @@ class CaptionStage:
             await asyncio.gather(*tasks)
             finished = True
         finally:
-            if finished:
-                await self.driver.stop()
-            else:  # cancelled (shutdown past the drain timeout): drop the engine's work, do not wait for it
+            if not finished:  # cancelled (shutdown past the drain timeout): the loop cancels their requests
                 for task in tasks:
                     task.cancel()
-                for rid in self.driver.abandon():  # never added to the engine
-                    self.captioner.forget(rid)
 
     async def _hypothesis(self, frame: FrameTask, prev: asyncio.Task | None) -> list[int] | None:
         """The previous caption of the frame's video (drafting only: a failure here costs speed, not the frame)."""
@@ -577,15 +591,9 @@ class CaptionStage:
             raise CorruptMediaError(f"image preprocessing failed: {exc}") from exc
         req = self.captioner.make_request(prepared, frame.params.max_new_tokens, frame.qos, hypothesis)
         t0 = time.perf_counter()
-        try:
-            done = await self.driver.submit(req)
-        except asyncio.CancelledError:
-            raise  # the engine may hold it: abandoned with the driver
-        except Exception:
-            self.captioner.forget(req.request_id)  # refused by the engine: it never ran
-            raise
+        done = await self.loop.submit(req)  # cancelled with this task: the loop frees its slot
         self.stats.decode_s += time.perf_counter() - t0
-        vis = self.captioner.engine.visual_attention.pop(done.request_id, None)
+        vis = self.loop.visual_attention.pop(done.request_id, None)
         if done.error:
             raise RecordedError(done.error.get("code", SpecstreamError.code), done.error.get("message", ""))
         tokens = list(done.output_ids)

@@ -13,14 +13,16 @@ What it offers (async; the heavy parts run off the event loop):
 - :meth:`ModelHub.keyframes` -- keyframes with PTS (``stages/keyframes``).
 - :meth:`ModelHub.similarity` -- image-text cosine similarities (open_clip), when a CLIP model is configured.
 
-Behind the interface today: the VLM target with its drafts runs in its own engine (a
-:class:`~specstream.stages.caption.Captioner` with the text draft, the temporal drafter and n-gram lookup, driven
-by an :class:`~specstream.stages.decode.EngineDriver` under a QoS scheduler); an optional text model runs in an
-engine of the same shape; Whisper runs per transcription in the engine ``stages/speech.py`` builds. Callers use
-only this module's names, so the engines behind it can be replaced without touching them.
+Behind the interface: the process's **device loop** (:mod:`specstream.stages.device_loop`). The VLM is the loop's
+``vlm`` runner (the same :class:`~specstream.stages.caption.Captioner` the caption path uses, when the server or
+worker hands it over: one copy of the VLM), drafting with its text draft, the temporal drafter (a previous answer)
+and n-gram lookup; an optional text model is the ``text`` runner; offline transcription runs on the loop's
+``whisper`` runner (its encoder windows and probes between the loop's steps); CLIP embeddings and the
+teacher-forced ``top_logprobs`` forward run on the loop's thread too (``DeviceLoop.call``). Every request carries
+its QoS class (``batch`` for QA, ``interactive`` for chat) into the one scheduler.
 
-Cancellation is a per-request logits processor that, once set, leaves only the end-of-sequence token: the next
-verify step commits it and the scheduler frees the slot (the engine keeps no other way to drop a running request).
+Cancellation: cancelling the awaiting task cancels the request in the loop (its slot is freed before the next
+step); a stop string cancels it the same way once it appeared.
 """
 
 from __future__ import annotations
@@ -29,10 +31,8 @@ import asyncio
 import collections
 import inspect
 import itertools
-import math
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +48,6 @@ from specstream.errors import (
     SpecstreamError,
     UnsupportedParameterError,
 )
-from specstream.stages.speculative.logits import LogitsProcessor
 
 QOS_BATCH = "batch"
 QOS_INTERACTIVE = "interactive"
@@ -260,67 +259,15 @@ class Transcription:
 DeltaCallback = Callable[[Delta], None]
 
 
-# -- cancellation -------------------------------------------------------------------------------------------------
-class _EndNow(LogitsProcessor):
-    """Identity until :meth:`set`; then every row allows only the end-of-sequence token, so the request commits it
-    at its next verify step and ends (its slot is freed by the scheduler)."""
-
-    def __init__(self, eos: int):
-        self.eos = int(eos)
-        self.flag = threading.Event()
-
-    def set(self) -> None:
-        self.flag.set()
-
-    def __call__(self, sequences, scores):
-        if self.flag.is_set():
-            scores.fill_(float("-inf"))
-            scores[:, self.eos] = 0.0
-        return scores
-
-
-# -- the engines behind the hub ------------------------------------------------------------------------------------
-class _Runner:
-    """One engine and the :class:`EngineDriver` that steps it from the running event loop (a new driver when the
-    loop changed: each ``asyncio.run`` has its own)."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self._driver = None
-        self._loop = None
-
-    def driver(self):
-        from specstream.stages.decode import EngineDriver
-
-        loop = asyncio.get_running_loop()
-        if self._driver is None or self._loop is not loop:
-            self._driver = EngineDriver(self.engine)
-            self._driver.start()
-            self._loop = loop
-        return self._driver
-
-    def driver_task(self) -> asyncio.Task | None:
-        return getattr(self._driver, "_task", None)  # EngineDriver's stepping task (to notice it died)
-
-    async def stop(self) -> None:
-        if self._driver is not None and self._loop is asyncio.get_running_loop():
-            await self._driver.stop()
-        self._driver = None
-
-    def load(self) -> dict[str, int]:
-        s = self.engine.scheduler
-        return {"running": len(s.running), "queued": len(s.waiting),
-                "free_slots": len(s.free_slots), "slots": s.config.num_slots}
-
-
+# -- the models behind the hub -------------------------------------------------------------------------------------
 @dataclass
 class LoadedModel:
     """A loaded generation model. Callers use ``info`` (:class:`ModelInfo`), ``context`` (tokens a request may use:
     prompt + output), ``eos`` (end-of-sequence ids) and ``decode(ids) -> text`` (special tokens skipped); the other
-    fields belong to the hub (its engine and how prompts become requests)."""
+    fields belong to the hub (its device-loop runner and how prompts become requests)."""
 
     info: ModelInfo
-    runner: _Runner
+    runner: Any  # the ModelRunner in the device loop
     context: int
     eos: tuple[int, ...]
     decode: Callable[[list[int]], str]
@@ -329,16 +276,7 @@ class LoadedModel:
     decoder: Any
     vlm: Any = None
     captioner: Any = None
-
-
-def _context_limit(engine) -> int:
-    """Tokens a request may use (prompt + max_new_tokens): the engine's context and what its scheduler admits."""
-    limit = engine.max_len
-    cfg = getattr(engine.scheduler, "config", None)
-    if cfg is not None and hasattr(cfg, "batch_share"):
-        share = math.ceil(cfg.batch_share * cfg.token_budget)
-        limit = min(limit, cfg.kv_budget, cfg.token_budget - cfg.num_slots - share)
-    return limit
+    tokenizer: Any = None
 
 
 def _eos_ids(ckpt) -> tuple[int, ...]:
@@ -355,17 +293,24 @@ def _eos_ids(ckpt) -> tuple[int, ...]:
 class ModelHub:
     """The models of a process and the one way to call them (see the module docstring).
 
-    Models load on first use, in a worker thread. Args:
+    Models load on first use, in a worker thread, into the process's device loop. Args:
         config: what to serve (:class:`HubConfig`).
-        metrics: a ``SchedulerMetrics`` for the VLM engine's scheduler (per-class queue waits, tau), or None.
+        metrics: a ``SchedulerMetrics`` for a device loop of the hub's own, or None.
         speech: an already loaded ``SpeechModel`` to share (the server's), or None (loaded on first use).
+        loop: the process's device loop (a server's, a worker's); None: the hub makes one (``specstream qa``).
+        captioner: the process's :class:`~specstream.stages.caption.Captioner` (or a function returning it), so the
+            hub serves that VLM runner instead of loading a second copy; None: the hub loads its own VLM.
     """
 
-    def __init__(self, config: HubConfig, metrics=None, speech=None):
+    def __init__(self, config: HubConfig, metrics=None, speech=None, loop=None, captioner=None):
         self.config = config
         self.metrics = metrics
+        self._loop = loop
+        self._made_loop = loop is None  # the hub stops only a loop it made
+        self._captioner = captioner
         self._models: dict[str, LoadedModel] = {}
         self._speech = speech
+        self._speech_service = None
         self._clip = None
         self._locks = {k: asyncio.Lock() for k in ("vlm", "text", "speech", "clip")}
         self._transcribe_lock: asyncio.Lock | None = None
@@ -392,6 +337,19 @@ class ModelHub:
         if self._speech is None:
             self._speech = speech
 
+    @property
+    def loop(self):
+        """The device loop the hub's models run in (made on first use when none was given)."""
+        if self._loop is None:
+            from specstream.schedulers.qos import EncodeBatching
+            from specstream.stages.device_loop import DeviceLoop, new_qos_scheduler
+
+            sched = new_qos_scheduler(metrics=self.metrics, token_budget=4096, max_nodes_per_request=17,
+                                      max_tree_depth=16,
+                                      encoders={"image": EncodeBatching(8, 0.02), "audio": EncodeBatching(8, 0.0)})
+            self._loop = DeviceLoop([], sched, device=str(self.config.device))
+        return self._loop
+
     def kind_of(self, model: str | None, default: str = "vlm") -> str:
         """``"vlm"`` or ``"text"`` for a generation model id (None: ``default``).
 
@@ -415,11 +373,20 @@ class ModelHub:
 
     def load(self) -> dict[str, dict[str, int]]:
         """Per loaded generation model: running and queued requests, free and total KV slots."""
-        return {k: m.runner.load() for k, m in self._models.items()}
+        sched = self.loop.scheduler
+        out = {}
+        for k, m in self._models.items():
+            name = m.runner.name
+            mine = lambda rs, n=name: sum(1 for r in rs if r.model == n)  # noqa: E731
+            out[k] = {"running": mine(sched.running.values()) + mine(sched.prefilling.values()),
+                      "queued": mine(sched.waiting), "free_slots": len(sched.free_slots_of(name)),
+                      "slots": sched.limits[name].num_slots}
+        return out
 
     async def stop(self) -> None:
-        for m in self._models.values():
-            await m.runner.stop()
+        """Stop the device loop when the hub made it (a loop handed in belongs to its owner)."""
+        if self._loop is not None and self._made_loop:
+            await asyncio.to_thread(self._loop.stop, 30.0)
 
     # -- loading ----------------------------------------------------------------------------------------------------
     async def model(self, kind: str) -> LoadedModel:
@@ -451,25 +418,15 @@ class ModelHub:
     def _build_vlm(self) -> LoadedModel:
         from specstream.stages.caption import Captioner
 
-        class TimedCaptioner(Captioner):
-            """Counts the vision encoder's time (the engine runs it as the scheduler plans encode work)."""
-
-            encode_s = 0.0
-
-            def _encode(self, work) -> None:
-                t0 = time.perf_counter()
-                try:
-                    super()._encode(work)
-                finally:
-                    self.encode_s += time.perf_counter() - t0
-
         c = self.config
-        cap = TimedCaptioner(c.vlm, list(c.vlm_drafts), self._tree(), temporal=True, ngram=c.ngram, visual_aware=True,
-                        num_slots=c.num_slots, max_len=c.max_len, dtype=c.dtype, device=c.device)
-        if self.metrics is not None:
-            cap.engine.scheduler.metrics = self.metrics
+        given = self._captioner() if callable(self._captioner) else self._captioner
+        if given is not None:
+            cap = given  # the process's VLM runner: one copy of the model for captions, QA and chat
+        else:
+            cap = Captioner(c.vlm, list(c.vlm_drafts), self._tree(), temporal=True, ngram=c.ngram, visual_aware=True,
+                            num_slots=c.num_slots, max_len=c.max_len, dtype=c.dtype, device=c.device, loop=self.loop)
         vlm = cap.vlm
-        context = _context_limit(cap.engine)
+        context = cap.runner.max_len
 
         def prepare(prompt: Prompt):
             if prompt.ids is not None:
@@ -495,17 +452,17 @@ class ModelHub:
             return vlm.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
         info = ModelInfo(c.name_of("vlm"), "vlm", context, True)
-        return LoadedModel(info, _Runner(cap.engine), context, tuple(vlm.eos_token_ids), decode, prepare, make_request,
-                      vlm.decoder, vlm, cap)
+        return LoadedModel(info, cap.runner, context, tuple(vlm.eos_token_ids), decode, prepare, make_request,
+                           vlm.decoder, vlm, cap)
 
     def _build_text(self) -> LoadedModel:
         from transformers import AutoTokenizer
 
-        from specstream.schedulers.qos import QosConfig, QosScheduler
+        from specstream.stages.device_loop import ModelRunner
         from specstream.stages.speculative.drafters.model import ModelDrafter
         from specstream.stages.speculative.drafters.ngram import NgramDrafter
         from specstream.stages.speculative.drafters.temporal import TemporalDrafter
-        from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+        from specstream.stages.speculative.executor import SpeculativeExecutor
         from specstream.stages.speculative.models.loader import check_same_tokenizer, load_decoder, \
             resolve_checkpoint
 
@@ -527,15 +484,13 @@ class ModelHub:
         if c.ngram:
             drafters.append(NgramDrafter(max_depth=tree.depth))
         full = max(tree.num_nodes(), 9)
-        scheduler = QosScheduler(QosConfig(num_slots=c.num_slots, max_len=max_len, reserved_realtime_slots=0,
-                                           token_budget=max(4096, c.num_slots * (full + 1)),
-                                           max_nodes_per_request=full, max_tree_depth=tree.depth))
         eos = _eos_ids(ckpt)
-        engine = SpeculativeEngine(dec, drafters, EngineConfig(num_slots=c.num_slots, max_len=max_len, tree=tree,
-                                                               max_nodes_per_request=full, cost_aware=False),
-                                   eos, ckpt.tokenizer, scheduler=scheduler)
+        executor = SpeculativeExecutor(dec, drafters, c.num_slots, max_len, full_nodes=full)
+        executor.cost_aware = False  # QA results repeat identically (stats included) on redelivery
+        runner = ModelRunner("text", executor, ckpt.tokenizer, eos, max_len)
+        self.loop.add_runner(runner)
         tok = AutoTokenizer.from_pretrained(str(ckpt.path))
-        context = _context_limit(engine)
+        context = max_len
 
         def prepare(prompt: Prompt):
             if prompt.images:
@@ -552,7 +507,7 @@ class ModelHub:
             return tok(text, add_special_tokens=False)["input_ids"], None, 0
 
         def make_request(prep, max_new, params: GenerationParams, qos, hypothesis, processors, ids=None):
-            return engine.make_request(ids, max_new, params.sampling(), request_id=f"text-{next(self._ids)}",
+            return runner.make_request(ids, max_new, params.sampling(), request_id=f"text-{next(self._ids)}",
                                        qos=qos, logprobs=params.logprobs or params.top_logprobs > 0,
                                        logits_processors=processors,
                                        draft_hypothesis=tuple(hypothesis) if hypothesis else None)
@@ -561,7 +516,7 @@ class ModelHub:
             return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
         info = ModelInfo(c.name_of("text"), "text", context, False)
-        return LoadedModel(info, _Runner(engine), context, eos, decode, prepare, make_request, dec)
+        return LoadedModel(info, runner, context, eos, decode, prepare, make_request, dec, tokenizer=ckpt.tokenizer)
 
     # -- generation -------------------------------------------------------------------------------------------------
     async def count_prompt(self, prompt: Prompt, model: str | None = None, kind: str = "vlm") -> tuple[int, int]:
@@ -579,8 +534,7 @@ class ModelHub:
         m = await self.model(self.kind_of(model, kind))
         tok = m.vlm.tokenizer if m.vlm is not None else None
         if tok is None:
-            return len(await asyncio.to_thread(lambda: m.runner.engine.tokenizer.encode(
-                text, add_special_tokens=False).ids))
+            return len(await asyncio.to_thread(lambda: m.tokenizer.encode(text, add_special_tokens=False).ids))
         return len(await asyncio.to_thread(lambda: tok(text, add_special_tokens=False)["input_ids"]))
 
     async def generate(self, prompt: Prompt, params: GenerationParams, *, model: str | None = None,
@@ -614,32 +568,20 @@ class ModelHub:
                                      f"{m.context} tokens in all")
         if not m.eos:
             raise InvalidRequestError(f"model {m.info.id!r} names no end-of-sequence token")
-        end = _EndNow(m.eos[0])
         if prep is not None:
-            req = m.make_request(prep, max_new, params, qos, hypothesis, (end,))
+            req = m.make_request(prep, max_new, params, qos, hypothesis, ())
         else:
-            req = m.make_request(None, max_new, params, qos, hypothesis, (end,), ids=ids)
-        stream = _Stream(m, params, end, on_delta, self.finished, qos)
-        driver = m.runner.driver()
-        fut = driver.submit(req, on_tokens=stream.on_tokens)
-        if on_admitted is not None:
-            on_admitted()
-        task = m.runner.driver_task()
+            req = m.make_request(None, max_new, params, qos, hypothesis, (), ids=ids)
+        stream = _Stream(m, params, lambda: self.loop.cancel(req.request_id), on_delta, self.finished, qos)
         try:
-            if task is not None:
-                done, _ = await asyncio.wait({fut, task}, return_when=asyncio.FIRST_COMPLETED)
-                if fut not in done:
-                    exc = task.exception() if not task.cancelled() else None
-                    raise SpecstreamError(f"the engine of {m.info.id!r} stopped: {exc!r}")
-            finished = await fut
-        except asyncio.CancelledError:
-            end.set()  # the engine ends it at its next step (prefill first, if it had not started)
+            finished = await self.loop.submit(req, on_tokens=stream.on_tokens, on_admitted=on_admitted)
+        except asyncio.CancelledError:  # the loop cancelled the request: its slot is freed before the next step
             self.cancelled += 1
             raise
-        except Exception:
-            if getattr(m, "captioner", None) is not None:
-                m.captioner.forget(req.request_id)  # refused by the engine: it never ran
-            raise
+        if finished.finish_reason == "cancelled" and not stream.stopped:
+            raise asyncio.CancelledError()
+        if not stream.logged:
+            stream.log_finished(finished)
         if finished.error:
             err = SpecstreamError(finished.error.get("message", "generation failed"))
             err.code = finished.error.get("code", SpecstreamError.code)
@@ -647,8 +589,8 @@ class ModelHub:
         if stream.stopped:
             self.cancelled += 1
         gen = stream.result(finished, n, visual, qos)
-        if params.top_logprobs > 0:
-            gen.top_logprobs = await asyncio.to_thread(_top_logprobs, m, prep, ids, gen.tokens, params)
+        if params.top_logprobs > 0:  # one teacher-forced forward, on the loop's thread between steps
+            gen.top_logprobs = await asyncio.to_thread(self.loop.call, _top_logprobs, m, prep, ids, gen.tokens, params)
         return gen
 
     # -- speech ------------------------------------------------------------------------------------------------------
@@ -662,6 +604,13 @@ class ModelHub:
                     path = self.config.speech_model
                     self._speech = await asyncio.to_thread(SpeechModel.load, path, self.config.dtype,
                                                            self.config.device)
+        if self._speech.device_loop is None:
+            async with self._locks["speech"]:
+                if self._speech.device_loop is None:  # its decoder joins the hub's loop as the whisper runner
+                    from specstream.stages.streaming import SpeechService
+
+                    self._speech_service = await asyncio.to_thread(SpeechService, self._speech, 4, None, 8,
+                                                                   self.loop)
         return self._speech
 
     async def transcribe(self, source: str | os.PathLike | np.ndarray, *, language: str | None = None,
@@ -701,6 +650,8 @@ class ModelHub:
             kwargs["word_timestamps"] = True
         if "timestamps" in params:
             kwargs["timestamps"] = True
+        if "qos" in params:
+            kwargs["qos"] = qos
         if self._transcribe_lock is None:
             self._transcribe_lock = asyncio.Lock()
         async with self._transcribe_lock:  # one offline transcription at a time per process (CPU bound)
@@ -743,19 +694,19 @@ class ModelHub:
             ModelNotLoadedError: no CLIP model configured. CheckpointNotFoundError: its weights are missing.
         """
         clip = await self._clip_model()
-        img = await asyncio.to_thread(clip.embed_images, list(images))
-        txt = await asyncio.to_thread(clip.embed_text, text)
+        img = await asyncio.to_thread(self.loop.call, clip.embed_images, list(images))
+        txt = await asyncio.to_thread(self.loop.call, clip.embed_text, text)
         return img @ txt
 
     async def image_embeddings(self, images: Sequence[np.ndarray]) -> np.ndarray:
         """``[N, D]`` L2-normalised open_clip image embeddings (see :meth:`similarity`)."""
         clip = await self._clip_model()
-        return await asyncio.to_thread(clip.embed_images, list(images))
+        return await asyncio.to_thread(self.loop.call, clip.embed_images, list(images))
 
     async def text_embedding(self, text: str) -> np.ndarray:
         """``[D]`` L2-normalised open_clip text embedding."""
         clip = await self._clip_model()
-        return await asyncio.to_thread(clip.embed_text, text)
+        return await asyncio.to_thread(self.loop.call, clip.embed_text, text)
 
     async def _clip_model(self) -> "ClipEmbedder":
         if not self.has_clip:
@@ -772,9 +723,9 @@ class ModelHub:
 class _Stream:
     """Follows one request's committed tokens: stop strings, text released for streaming, cancellation."""
 
-    def __init__(self, m: LoadedModel, params: GenerationParams, end: _EndNow, on_delta: DeltaCallback | None,
-                 log: collections.deque, qos: str):
-        self.m, self.params, self.end, self.on_delta = m, params, end, on_delta
+    def __init__(self, m: LoadedModel, params: GenerationParams, cancel: Callable[[], None],
+                 on_delta: DeltaCallback | None, log: collections.deque, qos: str):
+        self.m, self.params, self.cancel, self.on_delta = m, params, cancel, on_delta
         self.log, self.qos = log, qos
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
@@ -788,10 +739,17 @@ class _Stream:
         eos = set(self.m.eos)
         return [t for t in ids if t not in eos]
 
+    logged = False
+
+    def log_finished(self, req) -> None:
+        self.logged = True
+        self.log.append({"model": self.m.info.id, "qos": self.qos, "tokens": len(req.output_ids),
+                         "finish_reason": "cancelled" if self.stopped or req.finish_reason == "cancelled"
+                         else req.finish_reason})
+
     def on_tokens(self, req, new_tokens) -> None:
-        if req.finished:
-            self.log.append({"model": self.m.info.id, "qos": self.qos, "tokens": len(req.output_ids),
-                             "finish_reason": "cancelled" if self.end.flag.is_set() else req.finish_reason})
+        if req.finished and not self.logged:
+            self.log_finished(req)
         if self.cut is not None:
             return
         k0 = len(self.tokens)
@@ -821,7 +779,7 @@ class _Stream:
                 pos, _ = min(hits)
                 self.cut, self.stop_text = k, text[:pos]
                 self.stopped = True
-                self.end.set()
+                self.cancel()  # the output is complete: the loop ends the request before its next step
                 return
 
     def text(self, final: bool) -> str:
@@ -844,7 +802,7 @@ class _Stream:
             tokens = tokens[:self.cut]
             logprobs = logprobs[:self.cut] if logprobs is not None else None
             reason = "stop"
-        elif self.end.flag.is_set():
+        elif req.finish_reason == "cancelled":
             reason = "cancelled"
         else:
             reason = "stop" if req.finish_reason == "eos" else "length"

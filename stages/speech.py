@@ -25,6 +25,8 @@ Public API:
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import os
 import sys
@@ -67,6 +69,60 @@ from specstream.stages.whisper_timing import (
 )
 
 DRAFTERS = ("none", "ngram", "temporal", "ngram+temporal")
+
+
+def _on_device(method):
+    """Run a :class:`SpeechModel` method that computes on the device through its device loop (``loop.call``:
+    between two steps, on the loop's thread) once the model is bound to one (:meth:`SpeechModel.bind`)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        loop = self.device_loop
+        if loop is None:
+            return method(self, *args, **kwargs)
+        return loop.call(method, self, *args, **kwargs)
+
+    return wrapper
+
+
+class LoopEngine:
+    """The engine surface :meth:`SpeechModel.decode` uses, over the Whisper runner of a running device loop:
+    requests are queued with :meth:`add_request`, then :meth:`run` submits them to the loop's thread and waits (for
+    synchronous code in a worker thread: offline transcription inside a server or a worker). The loop's scheduler
+    plans them in ``qos`` beside everything else."""
+
+    def __init__(self, loop, runner_name: str, qos: str = "interactive"):
+        self.loop = loop
+        self.runner = loop.runner(runner_name)
+        self.executor = self.runner.executor
+        self.qos = qos
+        self._pending: list = []
+        self._ids = itertools.count()
+
+    @property
+    def scheduler(self) -> "LoopEngine":
+        return self  # finished requests are already popped by the loop: pop_finished has nothing to do
+
+    def pop_finished(self, request_id: str) -> None:
+        return None
+
+    def make_request(self, prompt_ids, max_new_tokens, sampling=None, request_id=None, speculate=True,
+                     logits_processors=(), **kwargs):
+        kwargs.setdefault("qos", self.qos)
+        rid = request_id or f"transcribe-{id(self):x}-{next(self._ids)}"
+        return self.runner.make_request(prompt_ids, max_new_tokens, sampling, rid, speculate, logits_processors,
+                                        **kwargs)
+
+    def add_request(self, request, on_tokens=None, encoder_output=None):
+        self._pending.append((request, encoder_output))
+        return request
+
+    def run(self) -> None:
+        pending, self._pending = self._pending, []
+        self.loop.start()
+        futures = [self.loop.submit_threadsafe(req, encoder_output=enc) for req, enc in pending]
+        for fut in futures:
+            fut.result()
 TASKS = ("transcribe", "translate")
 
 
@@ -172,6 +228,16 @@ class SpeechModel:
         self.name = str(checkpoint.path.name)
         self._probe_cache = None  # the probe's one-slot decoder cache, reused
         self._probe_lock = threading.Lock()
+        #: the device loop this model's device work runs in (None: the caller's thread; see :meth:`bind`)
+        self.device_loop = None
+        self.runner_name: str | None = None
+
+    def bind(self, loop, runner_name: str) -> None:
+        """Run this model's device work through ``loop`` (the process's device loop, which serves its decoder as
+        ``runner_name``): encoder windows, probes, alignments and projections between the loop's steps; and
+        :meth:`new_engine` returns a :class:`LoopEngine` whose requests the loop's scheduler plans."""
+        self.device_loop = loop
+        self.runner_name = runner_name
 
     @classmethod
     def load(cls, model: str | os.PathLike | None = None, dtype: str = "float32", device: str = "cpu") -> "SpeechModel":
@@ -235,6 +301,13 @@ class SpeechModel:
                    tuple(sorted(set(begin))), heads)
 
     # -- encoder --------------------------------------------------------------------------------------------
+    @_on_device
+    @torch.inference_mode()
+    def project(self, encoder_hidden: torch.Tensor):
+        """The decoder's cross-attention keys/values of encoder outputs (``WhisperDecoder.project``)."""
+        return self.decoder.project(encoder_hidden)
+
+    @_on_device
     @torch.inference_mode()
     def encode(self, windows: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Encoder outputs ``[B, 1500, d_model]`` of log-mel windows ``[B, num_mel_bins, 3000]`` (or one window)."""
@@ -302,14 +375,18 @@ class SpeechModel:
 
     # -- the engine -----------------------------------------------------------------------------------------
     def new_engine(self, drafters: Sequence[Drafter] | str = "ngram", num_slots: int = 4,
-                   max_nodes: int = 17) -> SpeculativeEngine:
-        """A speculative engine over this model's decoder.
+                   max_nodes: int = 17, qos: str = "interactive") -> SpeculativeEngine:
+        """A speculative engine over this model's decoder: a one-model engine of its own, or, once the model is
+        bound to a device loop (:meth:`bind`), a :class:`LoopEngine` on the loop's Whisper runner in ``qos``
+        (``drafters`` and ``num_slots`` are then the runner's).
 
         Args:
             drafters: drafter objects, or one of ``"none"``, ``"ngram"``, ``"temporal"``, ``"ngram+temporal"``.
             num_slots: concurrent windows (each slot holds a 30-s encoder output: ~18 MB for tiny in float32).
             max_nodes: largest token tree verified per step, root included.
         """
+        if self.device_loop is not None:
+            return LoopEngine(self.device_loop, self.runner_name, qos)
         if isinstance(drafters, str):
             drafters = make_drafters(drafters)
         config = EngineConfig(num_slots=num_slots, max_len=self.max_target_positions,
@@ -363,6 +440,7 @@ class SpeechModel:
                                     tuple(req.stats.accepted_per_step), avg, tuple(req.prompt_ids)))
         return out
 
+    @_on_device
     @torch.inference_mode()
     def probe(self, encoder_output, prefix: Sequence[int] | None = None) -> Probe:
         """The decoder's view of a window at ``<|startoftranscript|>``: ``P(<|nospeech|>)`` there (Whisper's
@@ -407,6 +485,7 @@ class SpeechModel:
         """:attr:`Probe.no_speech_prob` of :meth:`probe`."""
         return self.probe(encoder_output, prefix).no_speech_prob
 
+    @_on_device
     def detect_language(self, encoder_output) -> tuple[str, float, dict[str, float]]:
         """``(code, probability, all probabilities)`` of a window (English-only models: ``("en", 1.0, {})``)."""
         if not self.multilingual:
@@ -415,6 +494,7 @@ class SpeechModel:
         code = next(iter(probs))
         return code, probs[code], probs
 
+    @_on_device
     def align(self, encoder_output, text_tokens: Sequence[int], num_frames: int, language: str | None = "en",
               task: str = "transcribe") -> list[WordTiming]:
         """Word times (seconds from the window start) of ``text_tokens`` in a window: one teacher-forced decoder
@@ -584,7 +664,7 @@ def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str 
                vad_filter: bool = True, condition_on_previous_text: bool = False,
                no_speech_threshold: float | None = 0.6, log_prob_threshold: float | None = -1.0,
                max_initial_timestamp_s: float = 1.0, batch_size: int = 4, device: str = "cpu",
-               dtype: str = "float32") -> Transcript:
+               dtype: str = "float32", qos: str = "interactive") -> Transcript:
     """Transcribe an audio file, a video's audio track, or 16 kHz mono float32 samples.
 
     With ``timestamps`` (default): Whisper's sequential long-form transcription (see the module docstring), one
@@ -600,6 +680,7 @@ def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str 
         condition_on_previous_text: prompt each window with the text before it (faster-whisper's default is True;
             off here, as a misreading then cannot propagate).
         no_speech_threshold, log_prob_threshold: the silence rule (:func:`no_speech`); None switches it off.
+        qos: the QoS class of the decoding work when ``model`` is bound to a device loop (:meth:`SpeechModel.bind`).
 
     Raises:
         AudioDecodeError, CheckpointNotFoundError, UnsupportedArchitectureError, InvalidRequestError.
@@ -624,7 +705,8 @@ def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str 
     mel = log_mel(work, sm.num_mel_bins) if len(work) else np.zeros((sm.num_mel_bins, 1), np.float32)
     n_frames = content_frames(mel)
     clips = [(0, n_frames)] if n_frames else []
-    engine = sm.new_engine(drafter if speculate else "none", num_slots=max(1, batch_size if not timestamps else 1))
+    engine = sm.new_engine(drafter if speculate else "none", num_slots=max(1, batch_size if not timestamps else 1),
+                           qos=qos)
     run = _Run()
     lang_prob = 1.0
     detected = language is None
@@ -681,7 +763,7 @@ def _transcribe_timestamped(sm: SpeechModel, engine, mel, clips, language, task,
             if size <= 0:
                 break
             offset_s = seek / FRAMES_PER_SECOND
-            kv = sm.decoder.project(sm.encode(window))[0]
+            kv = sm.project(sm.encode(window))[0]
             previous = history if condition else []
             prompt = sm.prompt(language, task, True, previous)
             probe = sm.probe(kv, prompt[:prompt.index(sm.tokens.sot) + 1])
@@ -724,7 +806,7 @@ def _transcribe_windows(sm: SpeechModel, engine, mel, clips, language, task, spe
     for i in range(0, len(starts), batch_size):
         group = starts[i:i + batch_size]
         windows = [_clip_window(mel, s, e) for s, e in group]
-        kvs = sm.decoder.project(sm.encode(np.stack([w for w, _ in windows])))
+        kvs = sm.project(sm.encode(np.stack([w for w, _ in windows])))
         probes = [sm.probe(kv, sm.prompt(language, task, False)[:sm.prompt(language, task, False).index(sm.tokens.sot) + 1])
                   for kv in kvs]
         results = sm.decode(engine, kvs, speculate=speculate, language=language, task=task, logprobs=True)

@@ -259,29 +259,44 @@ class WindowDecode:
 
 
 # -- the shared model and engine ------------------------------------------------------------------------------
-class SpeechService:
-    """One Whisper model and one speculative engine (QoS scheduler) shared by every stream of the process.
+@dataclass
+class AudioWindow:
+    """The multimodal input of one subtitle window: its log-mel window and the no-speech probe's prefix going in;
+    the probe's probability and the encode time coming out (the runner's encoder fills them)."""
 
-    Each window is one ``realtime`` request whose ``audio`` encode item the scheduler batches with other
-    streams' windows; the executor's encoder hook runs the Hugging Face encoder on the batch, projects the
-    encoder outputs into cross-attention keys/values once (``CrossKV`` of
-    :mod:`specstream.stages.speculative.models.whisper`, copied by the prefill and by the probe) and probes the
-    no-speech probability. The engine returns each token's log-probability (``Request.logprobs``), from which the
-    window's average log-probability comes. An :class:`EngineDriver` steps the engine in a worker thread, so the
-    event loop stays free.
+    mel: np.ndarray
+    probe_prefix: list[int]
+    no_speech_prob: float = 0.0
+    encode_s: float = 0.0
+
+
+class SpeechService:
+    """The Whisper model in the device loop (model ``"whisper"``), shared by every stream of the process.
+
+    Each window is one ``realtime`` request whose audio window travels as its multimodal input
+    (``Request.mm_inputs``); the loop's scheduler batches windows of every stream into encoder batches, beside the
+    other models' work. The runner's audio encoder runs the Hugging Face encoder on a batch, projects the outputs
+    into cross-attention keys/values once (``CrossKV`` of :mod:`specstream.stages.speculative.models.whisper`,
+    copied by the prefill and by the probe) and probes the no-speech probability; its prefill hook hands the keys
+    and values to the decoder. The engine returns each token's log-probability (``Request.logprobs``), from which
+    the window's average log-probability comes.
 
     Args:
         model: a loaded :class:`~specstream.stages.speech.SpeechModel`, a name (``"tiny.en"``, ``"whisper-base"``)
             or a checkpoint path (default: tiny.en).
-        num_slots: concurrent windows in the engine (one per active stream is enough).
-        metrics: :class:`~specstream.schedulers.metrics.SchedulerMetrics` to update, or None.
+        num_slots: concurrent windows in the KV cache (one per active stream is enough).
+        metrics: :class:`~specstream.schedulers.metrics.SchedulerMetrics` for a loop of its own, or None.
+        loop: the device loop to join (the process's one loop); None: a loop of its own.
+        name: the model's name in the loop.
     """
 
-    def __init__(self, model=None, num_slots: int = 16, metrics=None, max_encode_batch: int = 8):
-        from specstream.schedulers.qos import EncodeBatching, QosConfig, QosScheduler
+    def __init__(self, model=None, num_slots: int = 16, metrics=None, max_encode_batch: int = 8, loop=None,
+                 name: str = "whisper"):
+        from specstream.schedulers.qos import EncodeBatching
+        from specstream.stages.device_loop import DeviceLoop, ModelRunner, new_qos_scheduler
         from specstream.stages.speculative.drafters.ngram import NgramDrafter
         from specstream.stages.speculative.drafters.temporal import TemporalDrafter
-        from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+        from specstream.stages.speculative.executor import SpeculativeExecutor
         from specstream.stages.speech import SpeechModel
 
         self.model = model if isinstance(model, SpeechModel) else SpeechModel.load(model)
@@ -290,49 +305,55 @@ class SpeechService:
         drafters = [self.temporal, NgramDrafter(max_ngram=3, max_branches=2, max_depth=8)]
         max_len = sm.max_target_positions
         full = 17
-        qos = QosConfig(num_slots=num_slots, max_len=max_len, reserved_realtime_slots=0,
-                        token_budget=max(1024, num_slots * (full + 1)), max_nodes_per_request=full,
-                        max_tree_depth=16, preempt=False,
-                        max_queue={"realtime": 4 * num_slots, "interactive": 256, "batch": 4096},
-                        encoders={"audio": EncodeBatching(max_encode_batch, 0.0)})
-        scheduler = QosScheduler(qos, metrics=metrics)
-        self.engine = SpeculativeEngine(sm.decoder, drafters, EngineConfig(num_slots=num_slots, max_len=max_len,
-                                                                           max_nodes_per_request=full),
-                                        (sm.tokens.eot,), sm.tokenizer, scheduler=scheduler)
-        self.engine.executor.encoders["audio"] = self._encode
-        self._windows: dict[str, tuple[np.ndarray, list[int]]] = {}  # item id -> (log-mel window, probe prefix)
-        self._encoded: dict[str, tuple[float, float]] = {}  # request id -> (no-speech prob, encode seconds)
+        executor = SpeculativeExecutor(sm.decoder, drafters, num_slots, max_len, full_nodes=full)
+        cross = sm.decoder.config
+        enc_bytes = 2 * cross.decoder_layers * cross.d_model * 1500 * 4  # one window's cross-attention K/V
+        self.runner = ModelRunner(name, executor, sm.tokenizer, (sm.tokens.eot,), max_len,
+                                  requires_encoder_output=True, encoder_bytes=num_slots * enc_bytes)
+        self.runner.register_encoder("audio", self._encode)
+        self.runner.set_prefill_hook(self._prefill_inputs)
+        self._enc_bytes = enc_bytes
+        if loop is None:
+            sched = new_qos_scheduler(metrics=metrics, token_budget=max(1024, num_slots * (full + 1)),
+                                      max_nodes_per_request=full, max_tree_depth=16, preempt=False,
+                                      max_queue={"realtime": 4 * num_slots, "interactive": 256, "batch": 4096},
+                                      encoders={"audio": EncodeBatching(max_encode_batch, 0.0)})
+            loop = DeviceLoop([], sched, device=str(sm.decoder.device))
+        loop.add_runner(self.runner)
+        self.loop = loop
+        sm.bind(loop, name)  # offline transcriptions with this model run in the loop too
         self._ids = itertools.count()
         self._word_start: dict[int, bool] = {}
-        self.driver = None
         self.encode_batches: list[tuple[int, float]] = []  # (batch size, seconds)
 
-    async def start(self) -> None:
-        from specstream.stages.decode import EngineDriver
+    @property
+    def executor(self):
+        return self.runner.executor
 
-        if self.driver is None:
-            self.driver = EngineDriver(self.engine)
-            self.driver.start()
+    async def start(self) -> None:
+        self.loop.start()
 
     async def stop(self) -> None:
-        if self.driver is not None:
-            await self.driver.stop()
-            self.driver = None
+        """Nothing of its own to stop: the device loop's owner stops the loop."""
 
-    def _encode(self, work) -> None:
-        """Executor encoder hook (worker thread): one encoder batch for the work's audio windows."""
+    def _encode(self, items) -> None:
+        """The runner's audio encoder (device thread): one encoder batch for the windows of several streams."""
         t0 = time.perf_counter()
-        items = [(rid, *self._windows.pop(item.item_id)) for rid, item in work.items]
-        enc = self.model.encode(np.stack([w for _, w, _ in items]))
+        windows: list[AudioWindow] = [mm.data for _, mm in items]
+        enc = self.model.encode(np.stack([w.mel for w in windows]))
         kvs = self.model.decoder.project(enc)  # once: the prefill and the probe copy them
-        ex = self.engine.executor
-        for (rid, _, _), kv in zip(items, kvs):
-            ex.encoder_outputs[rid] = kv
-        probs = [self.model.no_speech_prob(kv, prefix) for (_, _, prefix), kv in zip(items, kvs)]
+        probs = [self.model.no_speech_prob(kv, w.probe_prefix) for w, kv in zip(windows, kvs)]
         dt = time.perf_counter() - t0
         self.encode_batches.append((len(items), dt))
-        for (rid, _, _), p in zip(items, probs):
-            self._encoded[rid] = (p, dt)
+        for (state, mm), kv, p in zip(items, kvs, probs):
+            state.mm_outputs[mm.item_id] = kv
+            mm.data.no_speech_prob, mm.data.encode_s = p, dt
+
+    @staticmethod
+    def _prefill_inputs(state) -> None:
+        """The runner's prefill hook: the window's cross-attention keys/values go to the decoder."""
+        (kv,) = state.mm_outputs.values()
+        state.encoder_output = kv
 
     async def decode_window(self, window: np.ndarray, hypothesis: Sequence[int] | None = None,
                             speculate: bool = True, max_new_tokens: int = 160, seconds: float = 30.0,
@@ -354,34 +375,41 @@ class SpeechService:
             CapacityError: the realtime queue is full; SpecstreamError: decoding failed.
         """
         from specstream.errors import SpecstreamError
-        from specstream.schedulers.plan import EncodeItem
 
-        if self.driver is None:
-            await self.start()
+        self.loop.start()
         sm = self.model
-        head = sm.prompt(language, "transcribe", timestamps, previous_text)
-        prompt = head + [int(t) for t in prefix]
-        rid = f"win-{next(self._ids)}"
-        item = EncodeItem(f"{rid}/audio", "audio", float(seconds))
-        limit = max(1, min(max_new_tokens, sm.max_target_positions - len(prompt)))
-        req = self.engine.make_request(prompt, limit, request_id=rid, speculate=speculate, qos="realtime",
-                                       encodes=(item,), logprobs=True,
-                                       logits_processors=sm.logits_processors(len(head), timestamps=timestamps),
-                                       draft_hypothesis=tuple(hypothesis) if hypothesis and speculate else None)
-        self._windows[item.item_id] = (window, prompt[:prompt.index(sm.tokens.sot) + 1])
+        req, audio = self.window_request(window, hypothesis, speculate, max_new_tokens, seconds, previous_text,
+                                         language, timestamps, prefix)
         t0 = time.perf_counter()
-        try:
-            done = await self.driver.submit(req)
-        finally:
-            self._windows.pop(item.item_id, None)
+        done = await self.loop.submit(req)
         wall = time.perf_counter() - t0
-        nsp, enc_s = self._encoded.pop(rid, (0.0, 0.0))
         if done.error:
             raise SpecstreamError(f"decoding failed: {done.error}")
         toks = tuple(t for t in done.output_ids if t != sm.tokens.eot)
         avg = float(sum(done.output_logprobs)) / (len(toks) + 1)
-        return WindowDecode(toks, done.finish_reason, done.stats.target_steps, nsp, avg, enc_s,
-                            max(0.0, wall - enc_s))
+        return WindowDecode(toks, done.finish_reason, done.stats.target_steps, audio.no_speech_prob, avg,
+                            audio.encode_s, max(0.0, wall - audio.encode_s))
+
+    def window_request(self, window: np.ndarray, hypothesis: Sequence[int] | None = None, speculate: bool = True,
+                       max_new_tokens: int = 160, seconds: float = 30.0, previous_text: Sequence[int] = (),
+                       language: str = "en", timestamps: bool = True, prefix: Sequence[int] = ()):
+        """The ``realtime`` request of one window (arguments as :meth:`decode_window`) and its
+        :class:`AudioWindow` (the encoder fills its probe result). Returns ``(request, audio_window)``."""
+        from specstream.schedulers.plan import MMInput
+
+        sm = self.model
+        head = sm.prompt(language, "transcribe", timestamps, previous_text)
+        prompt = head + [int(t) for t in prefix]
+        rid = f"win-{next(self._ids)}"
+        audio = AudioWindow(window, prompt[:prompt.index(sm.tokens.sot) + 1])
+        limit = max(1, min(max_new_tokens, sm.max_target_positions - len(prompt)))
+        req = self.runner.make_request(prompt, limit, request_id=rid, speculate=speculate, qos="realtime",
+                                       mm_inputs=(MMInput(f"{rid}/audio", "audio", audio, float(seconds),
+                                                          self._enc_bytes),),
+                                       logprobs=True,
+                                       logits_processors=sm.logits_processors(len(head), timestamps=timestamps),
+                                       draft_hypothesis=tuple(hypothesis) if hypothesis and speculate else None)
+        return req, audio
 
     # -- token helpers --------------------------------------------------------------------------------------
     def starts_word(self, token: int) -> bool:

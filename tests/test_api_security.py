@@ -71,7 +71,8 @@ def api(tmp_path_factory, pictures):
     for p in (root / "a.png", root / "sub" / "a.png"):
         p.write_bytes(inside_png)
     (outside / "a.png").write_bytes(outside_png)
-    settings = ServerSettings(allowed_roots=[root], speech_model=str(base / "no-speech-model"))
+    settings = ServerSettings(allowed_roots=[root], speech_model=str(base / "no-speech-model"),
+                              caption_concurrency=1)  # one caption at a time: the tests wait behind it
     with TestClient(create_app(settings)) as client:
         yield client, root, outside
 

@@ -153,12 +153,12 @@ def test_attention_export_equals_hf_eager_attention(models, src, oracle):
 
     target, _ = models
     captioner = Captioner(target, [], temporal=False, visual_aware=False, attention_maps=True)
-    eng = captioner.engine
-    eng.executor.attention_layers = (0, 1)
+    loop = captioner.loop
+    captioner.executor.attention_layers = (0, 1)
     prep = captioner.vlm.prepare(load_image(src["astronaut"]), PROMPT)
-    req = eng.add_request(captioner.make_request(prep, 3))
-    eng.run()
-    vis = np.stack(eng.visual_attention.pop(req.request_id))  # [3, n_visual]
+    req = loop.add_request(captioner.make_request(prep, 3))
+    loop.run()
+    vis = np.stack(loop.visual_attention.pop(req.request_id))  # [3, n_visual]
     assert vis.shape == (3, len(prep.visual_positions))
     # HF eager attention for the same sequence: row of the token that predicted each committed token
     hf = oracle.hf
@@ -213,8 +213,8 @@ def test_vlm_as_draft_runs_its_language_model_only(models, src, oracle):
     target, _ = models
     captioner = Captioner(target, [target], temporal=False)  # the VLM drafts for itself, text only
     image = load_image(src["rocket"])
-    req = captioner.engine.add_request(captioner.make_request(captioner.vlm.prepare(image, PROMPT), N))
-    captioner.engine.run()
+    req = captioner.loop.add_request(captioner.make_request(captioner.vlm.prepare(image, PROMPT), N))
+    captioner.loop.run()
     assert req.output_ids == oracle(image)
 
 
@@ -240,8 +240,8 @@ def test_llava_onevision_target_equals_its_own_generate(tmp_path, src):
         with torch.no_grad():
             out = hf.generate(**inputs, max_new_tokens=10, do_sample=False)
         want = out[0, inputs["input_ids"].shape[1]:].tolist()
-        req = captioner.engine.add_request(captioner.make_request(prep, 10))
-        captioner.engine.run()
+        req = captioner.loop.add_request(captioner.make_request(prep, 10))
+        captioner.loop.run()
         assert req.output_ids == want
     assert len(counts) >= 2  # different image sizes, different numbers of visual tokens
 
@@ -374,23 +374,23 @@ def test_planted_dominant_visual_key_puts_the_attention_map_maximum_on_its_patch
     save_file(state, str(wfile), metadata={"format": "pt"})
 
     captioner = Captioner(path, [], temporal=False, visual_aware=False, attention_maps=True)
-    eng = captioner.engine
-    eng.executor.attention_layers = (0,)
+    loop = captioner.loop
+    captioner.executor.attention_layers = (0,)
     image = load_image(src["rocket"])
     prep = captioner.vlm.prepare(image, PROMPT)
     planted = 2 * 8 + 5
     req = captioner.make_request(prep, 4)
-    req.encodes = ()  # the embeddings are given below
+    req.encodes, req.mm_inputs = (), ()  # the embeddings are given below
     feats = captioner.vlm.encode([prep])[0]
     emb = captioner.vlm.prompt_embeds(prep, feats).clone()
     vis = torch.tensor(prep.visual_positions)
     emb[vis, 0] = 0.0
     emb[vis[planted]] = 0.0
     emb[vis[planted], 0] = 1.0
-    eng.add_request(req)
-    eng.executor.prefix_embeds[req.request_id] = emb
-    eng.run()
-    attention = np.stack(eng.visual_attention.pop(req.request_id))
+    loop.add_request(req)
+    captioner.executor.prefix_embeds[req.request_id] = emb
+    loop.run()
+    attention = np.stack(loop.visual_attention.pop(req.request_id))
     assert attention.shape == (4, 64)
     assert (attention.argmax(1) == planted).all()
     assert attention[:, planted].min() > 0.5  # dominant: most of the mass of every committed token's row

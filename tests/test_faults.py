@@ -176,8 +176,8 @@ CAPTION_FAULTS = {
                 "image preprocessing failed: injected at prepare"),
     "make_request": (lambda st, b, mp, c: fail_once(c, "make_request", mp), 0, "internal_error",
                      "Injected: injected at make_request"),
-    "engine_submit": (lambda st, b, mp, c: fail_once(st.driver, "submit", mp, on_call=2), 1, "internal_error",
-                      "Injected: injected at submit"),
+    "loop_submit": (lambda st, b, mp, c: fail_once(st.loop, "submit", mp, on_call=2), 1, "internal_error",
+                    "Injected: injected at submit"),
     "publish_result": (lambda st, b, mp, c: fail_once(b, "publish", mp, when=lambda t, k, v, h=None:
                                                       t == TOPIC_RESULTS), 0, "internal_error",
                        "Injected: injected at publish"),
@@ -211,7 +211,7 @@ def test_prompt_longer_than_the_context_is_the_frames_error(captioner, image, cl
     assert "does not fit the context" in results[0].error.message
     assert results[1].status == "ok" and results[1].final
     broker.assert_acked_after_output(TOPIC_FRAMES, "r", TOPIC_RESULTS, BY_SEQ)
-    assert not captioner._media, "a refused request left its image behind"
+    assert not captioner.executor.states and not captioner.loop._entries, "a refused request left state behind"
 
 
 def test_attention_map_and_chain_store_failures(captioner, image, clean_run, monkeypatch, tmp_path):

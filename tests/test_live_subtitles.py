@@ -293,7 +293,7 @@ def test_websocket_realtime_with_bad_clients(server, rec10, sm):
     metrics = httpx.get(server.base + "/metrics").text
     assert _metric(metrics, "specstream_subtitle_sessions_closed_total", 'code="1009"') >= 1
     assert _metric(metrics, "specstream_subtitle_sessions_closed_total", 'code="1007"') >= 3
-    assert _metric(metrics, "specstream_scheduler_batch_size_count") > 0
+    assert _metric(metrics, "specstream_scheduler_batch_size_count", 'model="whisper"') > 0
 
 
 def _f32_frame(values) -> bytes:
@@ -559,9 +559,9 @@ def test_caption_parity_cli_http(sm, image_dir, speech_cache):
                     data={"max_new_tokens": "12"})
         assert up.status_code == 200
         assert [{**x, "source": src} for x in up.json()["records"]] == cli
-        metrics = c.get("/metrics").text  # the caption engine's scheduler, beside the speech engine's
-        assert _metric(metrics, "specstream_caption_scheduler_batch_size_count") > 0
-        assert "specstream_scheduler_queue_depth" in metrics
+        metrics = c.get("/metrics").text  # one scheduler, per model and class: the VLM beside Whisper
+        assert _metric(metrics, "specstream_scheduler_batch_size_count", 'model="vlm"') > 0
+        assert 'specstream_scheduler_queue_depth{model="whisper",qos="realtime"}' in metrics
 
 
 # -- the web page in headless Chromium ----------------------------------------------------------------------------

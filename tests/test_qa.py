@@ -143,8 +143,8 @@ def test_multi_image_prompts_equal_hugging_face(models, tmp_path, src):
         with torch.no_grad():
             out = hf_model.generate(**inputs, max_new_tokens=10, do_sample=False)
         want = out[0, inputs["input_ids"].shape[1]:].tolist()
-        req = cap.engine.add_request(cap.make_request(prep, 10))
-        cap.engine.run()
+        req = cap.loop.add_request(cap.make_request(prep, 10))
+        cap.loop.run()
         assert req.output_ids == want[: len(req.output_ids)] and len(req.output_ids) == len(want)
 
 
@@ -186,9 +186,10 @@ def test_qa_end_to_end_frames_transcript_answers_errors_and_qos(models, media, h
     assert set(bad_a) == {"id", "question_id", "video", "error"} and bad_a["video"] == str(media["bad"])
     assert (summary.answered, summary.failed, summary.skipped) == (3, 3, 0)
     # every answer ran in the batch class of the VLM engine's scheduler (its tau histogram counts per class)
-    per_class = {s.labels["qos"]: s.value for m in hub.metrics.registry.collect() if m.name.endswith("_tau")
-                 for s in m.samples if s.name.endswith("_count")}
-    assert per_class == {"batch": 3.0}
+    per_class = {(s.labels["model"], s.labels["qos"]): s.value for m in hub.metrics.registry.collect()
+                 if m.name.endswith("_tau") for s in m.samples if s.name.endswith("_count")}
+    assert per_class[("vlm", "batch")] == 3.0
+    assert {q for _, q in per_class} == {"batch"}
 
 
 def test_visual_token_budget_and_context_choose_fewer_frames(models, media, tmp_path):

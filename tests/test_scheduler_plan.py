@@ -66,7 +66,7 @@ def test_reserved_slot_and_preemption_of_batch_by_realtime():
     s.add(req("r2", "realtime", 4))
     plan = s.schedule()
     # no free slot: the most recently admitted batch request is preempted; its KV is freed
-    assert plan.preempted == (("b1", 1),)
+    assert plan.preempted == (("b1", 1, "default"),)
     assert prefills(plan) == [("r2", 1, 4)]
     assert [d[0] for d in decodes(plan)] == ["r1", "b0"]
     b1 = s.requests["b1"]
@@ -82,29 +82,72 @@ def test_reserved_slot_and_preemption_of_batch_by_realtime():
         1, 0, 0.01)
     s.update(out)
     plan = s.schedule()
-    assert sorted(plan.released) == [("r1", 2), ("r2", 1)]
+    assert sorted(plan.released) == [("r1", 2, "default"), ("r2", 1, "default")]
     assert prefills(plan) == [("b1", 1, 6 + 2)]
 
 
-def test_equal_priority_never_preempts_and_aging_promotes_batch_over_later_interactive():
+def test_equal_priority_never_preempts_and_slack_promotes_batch_after_interactive_only():
     clock = VirtualClock()
-    s = QosScheduler(QosConfig(num_slots=2, max_len=64, reserved_realtime_slots=0, token_budget=64, aging_s=5.0),
-                     clock=clock)
+    s = QosScheduler(QosConfig(num_slots=2, max_len=64, reserved_realtime_slots=0, token_budget=64,
+                               promote_slack_s=2.0, service_s_per_token=1.0), clock=clock)
     s.add(req("i0", "interactive", 4, deadline=100.0, max_new=50))
     s.add(req("i1", "interactive", 4, deadline=100.0, max_new=50))
     book(s, s.schedule())
-    s.add(req("b", "batch", 4, t=0.0))
+    s.add(req("b-small", "batch", 4, t=0.0, deadline=20.0, max_new=4))  # slack at t=6: 20 - 6 - 4 = 10
+    s.add(req("b-big", "batch", 4, t=0.0, deadline=30.0, max_new=40))  # slack at t=6: 30 - 6 - 40 = -16
     clock.now = 6.0
-    s.add(req("i2", "interactive", 4, t=6.0, deadline=7.0))  # urgent, but no slot: it waits, no preemption
+    s.add(req("i2", "interactive", 4, t=6.0, deadline=50.0))  # no slot: it waits, no preemption
     plan = s.schedule()
     assert not plan.preempted and not plan.prefills
-    # the aged batch request ranks as interactive with deadline arrival + aging = 5.0 < 7.0
-    assert [r.request_id for r in s.waiting] == ["b", "i2"]
+    assert s.slack_s(s.requests["b-big"], clock.now) == pytest.approx(-16.0)
+    # earliest deadline first would take b-small; b-big is short of slack: promoted ahead of the other batch
+    # work, but never ahead of an interactive request
+    assert [r.request_id for r in s.waiting] == ["i2", "b-big", "b-small"]
     s.requests["i0"].max_new_tokens = len(s.requests["i0"].output_ids) + 1
     s.update(StepOutput(plan.step, (RequestStepResult("i0", (5,), 0, False, "length", None, 1),
                                     RequestStepResult("i1", (5,), 0, False, None, None, 1)), 1, 2, 0.01))
     plan = s.schedule()
-    assert prefills(plan) == [("b", 0, 4)]
+    assert prefills(plan) == [("i2", 0, 4)]
+
+
+def test_long_prefill_is_chunked_while_realtime_waits_and_realtime_starts_next_step():
+    clock = VirtualClock()
+    s = QosScheduler(QosConfig(num_slots=3, max_len=4096, reserved_realtime_slots=1, token_budget=4096,
+                               max_prefill_chunk_tokens=None), clock=clock)
+    s.add(req("cap", "interactive", 3000, deadline=60.0))  # a visual-token prefill of 3000 tokens
+    plan = s.schedule()
+    assert [(p.request.request_id, p.start, p.num_tokens, p.final) for p in plan.prefills] == [
+        ("cap", 0, 3000, True)]  # nothing realtime, no chunk bound: one step takes it whole
+    s1 = QosScheduler(QosConfig(num_slots=3, max_len=4096, reserved_realtime_slots=1, token_budget=4096,
+                                max_prefill_chunk_tokens=1024), clock=clock)
+    s1.add(req("cap", "interactive", 3000, deadline=60.0))
+    s1.add(req("cap2", "interactive", 700, deadline=60.0))
+    plan = s1.schedule()  # bounded steps even with nothing realtime: 1024 per request, requests side by side
+    assert [(p.request.request_id, p.start, p.num_tokens, p.final) for p in plan.prefills] == [
+        ("cap", 0, 1024, False), ("cap2", 0, 700, True)]
+    s2 = QosScheduler(QosConfig(num_slots=3, max_len=4096, reserved_realtime_slots=1, token_budget=4096,
+                                max_prefill_chunk_tokens=None, realtime_prefill_chunk_tokens=256), clock=clock)
+    s2.add(req("cap", "interactive", 3000, deadline=60.0))
+    s2.add(req("sub0", "realtime", 6))
+    chunks = []
+    for step in range(14):
+        plan = s2.schedule()
+        nonrt = sum(p.num_tokens for p in plan.prefills if p.request.qos != "realtime")
+        assert nonrt <= 256  # no plan holds more than the chunk while realtime work is active
+        chunks += [(p.start, p.num_tokens) for p in plan.prefills if p.request.request_id == "cap"]
+        if step == 0:
+            assert [p.request.request_id for p in plan.prefills][0] == "sub0"  # realtime first, same step
+        if step == 3:
+            s2.add(req("sub1", "realtime", 6, t=clock.now))
+        if step == 4:  # the window that arrived during the prefill is scheduled in the next step
+            assert "sub1" in [p.request.request_id for p in plan.prefills]
+        res = tuple(RequestStepResult(p.request.request_id, (5,) if p.final else (), 0, True, None, None, 1,
+                                      prefill_done=p.final) for p in plan.prefills)
+        res += tuple(RequestStepResult(d.request.request_id, (5,), 0, False, None, None, 1) for d in plan.decodes)
+        s2.update(StepOutput(plan.step, res, 1, plan.num_nodes, 0.01))
+    # contiguous chunks in order; the last one (184 tokens) yields the first token
+    assert chunks == [(256 * k, 256) for k in range(11)] + [(2816, 184)]
+    assert "cap" in s2.running and s2.requests["cap"].stats.target_steps >= 12
 
 
 def test_encode_batches_per_modality_priority_and_delay():
@@ -162,7 +205,48 @@ def test_admission_control_refuses_at_once_with_retryable_error():
     with pytest.raises(InvalidRequestError):
         s.add(req("v", "batch", 4, encodes=[EncodeItem("v/1", "video")]))
     text = metrics.render().decode()
-    assert 'specstream_scheduler_rejections_total{qos="batch",reason="queue_full"} 1.0' in text
-    assert 'specstream_scheduler_rejections_total{qos="batch",reason="never_fits"} 1.0' in text
+    assert 'specstream_scheduler_rejections_total{model="default",qos="batch",reason="queue_full"} 1.0' in text
+    assert 'specstream_scheduler_rejections_total{model="default",qos="batch",reason="never_fits"} 1.0' in text
     plan = s.schedule()
-    assert 'specstream_scheduler_batch_size_count 1.0' in metrics.render().decode() and plan.prefills
+    assert 'specstream_scheduler_batch_size_count{model="default"} 1.0' in metrics.render().decode() and plan.prefills
+
+
+def test_realtime_prefill_budget_in_seconds_follows_each_models_measured_cost():
+    """While a subtitle window is active, a cheap model's whole prompt fits the step's prefill seconds and a costly
+    model's prompt is chunked to them (at least MIN_CHUNK tokens, so it still progresses); decode-only forwards do
+    not move the estimate."""
+    from specstream.schedulers.plan import Request as R
+    from specstream.schedulers.qos import MIN_CHUNK, ModelLimits
+
+    clock = VirtualClock()
+    models = {"vlm": ModelLimits(num_slots=4, max_len=4096), "big": ModelLimits(num_slots=4, max_len=4096),
+              "whisper": ModelLimits(num_slots=2, max_len=448)}
+    s = QosScheduler(QosConfig(models=models, token_budget=8192, max_prefill_chunk_tokens=None,
+                               realtime_prefill_chunk_tokens=32, realtime_prefill_budget_s=0.01), clock=clock)
+    # a decode step and a prefill step each: 3 ms fixed, then 50 us (vlm) and 500 us (big) per token
+    for model, per_token in (("vlm", 5e-5), ("big", 5e-4)):
+        s.observe(model, 0, 4, 0.003 + 4 * per_token)
+        s.observe(model, 600, 604, 0.003 + 604 * per_token)
+    s.observe("whisper", 0, 4, 0.01)  # steps all alike: no estimate
+    s.observe("whisper", 0, 5, 0.01)
+    assert s.prefill_s_per_token == {"vlm": pytest.approx(5e-5), "big": pytest.approx(5e-4)}
+    s.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
+    s.add(R("cap", [1] * 150, 8, qos="interactive", deadline_s=5.0, model="vlm"))
+    s.add(R("doc", [1] * 600, 8, qos="interactive", deadline_s=6.0, model="big"))
+    plan = s.schedule()
+    got = [(p.request.request_id, p.num_tokens) for p in plan.prefills]
+    # the window first; the cheap prompt whole (7.5 ms); what is left (2.5 ms: 5 tokens of the costly model) is
+    # under the smallest chunk, so the costly prompt waits for the next step
+    assert got == [("w", 6), ("cap", 150)]
+    s2 = QosScheduler(QosConfig(models=models, token_budget=8192, max_prefill_chunk_tokens=None,
+                                realtime_prefill_budget_s=0.01), clock=clock)
+    s2.observe("big", 0, 1, 0.001)
+    s2.observe("big", 600, 601, 0.601)  # 1 ms per token: 10 tokens fit, the smallest chunk (16) goes anyway
+    s2.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
+    s2.add(R("doc", [1] * 600, 8, qos="interactive", deadline_s=6.0, model="big"))
+    assert [(p.request.request_id, p.num_tokens) for p in s2.schedule().prefills] == [("w", 6), ("doc", MIN_CHUNK)]
+    s3 = QosScheduler(QosConfig(models=models, token_budget=8192, max_prefill_chunk_tokens=None,
+                                realtime_prefill_budget_s=0.01), clock=clock)  # nothing measured yet: tokens cap
+    s3.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
+    s3.add(R("cap", [1] * 150, 8, qos="interactive", deadline_s=5.0, model="vlm"))
+    assert [(p.request.request_id, p.num_tokens) for p in s3.schedule().prefills] == [("w", 6), ("cap", 32)]

@@ -23,7 +23,7 @@ from specstream.schedulers.simulator import (
 from specstream.schedulers.traces import BATCH, REALTIME, ClassLoad, synthetic_trace, write_trace
 
 SMALL = QosConfig(num_slots=4, max_len=96, reserved_realtime_slots=1, token_budget=128, kv_budget_tokens=240,
-                  max_nodes_per_request=8, aging_s=0.5, max_queue={"realtime": 8, "interactive": 8, "batch": 8},
+                  max_nodes_per_request=8, promote_slack_s=0.5, max_queue={"realtime": 8, "interactive": 8, "batch": 8},
                   encoders={"image": EncodeBatching(3, 0.02), "audio": EncodeBatching(2, 0.01)})
 
 event = st.builds(
@@ -39,7 +39,7 @@ def _events(raw):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(event, min_size=1, max_size=25), st.sampled_from([CPU_2CORE, H200_EST]))
-def test_random_traces_respect_memory_complete_and_age(raw, cost):
+def test_random_traces_respect_memory_and_complete(raw, cost):
     events = _events(raw)
     res = simulate(events, SimConfig(scheduler=SMALL, cost=cost))
     # the KV budget is never exceeded (as planned, and as the executor saw it)
@@ -49,16 +49,6 @@ def test_random_traces_respect_memory_complete_and_age(raw, cost):
     for ev in events:
         rec = res.records[ev.id]
         assert rec.rejected or (rec.finish_s is not None and rec.output_len == ev.max_new_tokens), rec
-    # aging bound: once a batch request has waited aging_s, no later interactive request is admitted before it
-    recs = res.records
-    for b in (e for e in events if e.qos == "batch" and not e.images and not e.audio_s):
-        rb = recs[b.id]
-        if rb.rejected:
-            continue
-        for i in (e for e in events if e.qos == "interactive" and not e.images and not e.audio_s):
-            ri = recs[i.id]
-            if not ri.rejected and ri.arrival_s >= rb.arrival_s + SMALL.aging_s:
-                assert ri.first_prefill_s >= rb.first_prefill_s, (b.id, i.id)
 
 
 def test_tree_shape_matches_truncation():
@@ -128,3 +118,36 @@ def test_simulate_cli_malformed_trace_line_is_a_clear_error(tmp_path, capsys, ba
     assert simulate_main(["--trace", str(trace), "--json"]) == 2
     err = json.loads(capsys.readouterr().err)["error"]
     assert err["code"] == "invalid_request" and "t.jsonl:2" in err["message"] and words in err["message"]
+
+
+def flood_trace() -> list[TraceEvent]:
+    """Realtime every 0.5 s, about one interactive request a second (one image: 400 prompt tokens), 400 batch jobs
+    of eight images (2400 prompt tokens) in 10 s."""
+    import random
+
+    rng = random.Random(7)
+    events = [TraceEvent(500.0 * k, f"rt-{k}", "realtime", 1000.0, 32, 12, audio_s=2.0, acceptance=0.8)
+              for k in range(40)]
+    t = 0.0
+    for k in range(20):
+        t += rng.expovariate(1.0) * 1000.0
+        events.append(TraceEvent(round(t, 3), f"int-{k}", "interactive", 10_000.0, 400, 32, images=1,
+                                 acceptance=0.7))
+    events += [TraceEvent(round(25.0 * k, 3), f"batch-{k}", "batch", 600_000.0, 2400, 64, images=8,
+                          acceptance=0.6) for k in range(400)]
+    return sorted(events, key=lambda e: (e.t_ms, e.id))
+
+
+def test_flood_slack_promotion_keeps_interactive_slo_and_never_starves_batch():
+    """A flood of batch jobs with deadlines minutes away must not take interactive capacity merely for having
+    waited: the fixed 5-s aging rule this replaced measured interactive SLO attainment 0.65 on this trace (1.00
+    with aging off). Batch is promoted only when its slack runs short, and still finishes every job in time."""
+    cfg = SimConfig(scheduler=QosConfig(max_len=8192, token_budget=8192,
+                                        max_queue={"realtime": 64, "interactive": 256, "batch": 4096}), cost=H200_EST)
+    res = simulate(flood_trace(), cfg)
+    out = summarize(res)
+    assert out["classes"]["realtime"]["slo_attainment"] == 1.0, out
+    assert out["classes"]["interactive"]["slo_attainment"] >= 0.95, out
+    batch = [r for r in res.records.values() if r.qos == "batch"]
+    assert len(batch) == 400 and not any(r.rejected for r in batch)
+    assert all(r.finish_s is not None and r.latency_s <= r.deadline_s for r in batch), out

@@ -1,24 +1,23 @@
-"""The speculative decoding engine: a scheduler and an executor in a three-call step loop.
+"""The speculative decoding engine: one model in a device loop, a scheduler and an executor in a three-call step.
 
 ``step()`` = ``scheduler.schedule() -> StepPlan``; ``executor.execute(plan) -> StepOutput``;
-``scheduler.update(output)``. The scheduler decides (admission, tree budgets), the executor runs tensors.
+``scheduler.update(output)`` (:class:`~specstream.stages.device_loop.DeviceLoop`). The scheduler decides
+(admission, tree budgets), the executor runs tensors.
 Requests join and leave between steps (continuous batching); each request's output is exactly what the target
 alone would produce (greedy: token for token; sampling: in distribution).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from specstream.errors import ContextLengthError, InvalidRequestError
 from specstream.kernels.sampling import SamplingParams
 from specstream.schedulers.fifo import FifoScheduler
-from specstream.schedulers.plan import Request, StepOutput
+from specstream.schedulers.plan import Request
 from specstream.stages.speculative.drafters.base import Drafter
 from specstream.stages.speculative.drafters.model import ModelDrafter, TreeSpec
 from specstream.stages.speculative.drafters.ngram import NgramDrafter
@@ -65,34 +64,55 @@ class EngineConfig:
 
 
 class SpeculativeEngine:
-    """Token-tree speculative decoding over a continuous batch (SpecInfer, Miao et al., ASPLOS 2024).
+    """Token-tree speculative decoding over a continuous batch (SpecInfer, Miao et al., ASPLOS 2024), one model.
+
+    A one-model :class:`~specstream.stages.device_loop.DeviceLoop` (model ``"default"``) stepped in the caller's
+    thread: the library API for scripts and tests. Servers and the CLI put every model of the process into the
+    device's one loop instead (:func:`~specstream.stages.device_loop.device_loop`).
 
     Build with :meth:`from_checkpoints` or from a loaded target and drafters.
     """
 
     def __init__(self, target: LlamaDecoder, drafters: list[Drafter], config: EngineConfig | None = None,
-                 eos_token_ids: tuple[int, ...] = (), tokenizer=None, scheduler=None):
+                 eos_token_ids: tuple[int, ...] = (), tokenizer=None, scheduler=None, name: str = "default"):
+        from specstream.stages.device_loop import DeviceLoop, ModelRunner
+
         self.config = config or EngineConfig()
         self.target = target
         self.max_len = min(self.config.max_len, target.config.max_position_embeddings)
         full = self.config.max_nodes_per_request or max(
             [self.config.tree.num_nodes()] + [9 for d in drafters if isinstance(d, NgramDrafter)]
         )
-        self.executor = SpeculativeExecutor(target, drafters, self.config.num_slots, self.max_len, full_nodes=full,
-                                            adaptive=self.config.adaptive,
-                                            attention_layers=self.config.attention_layers,
-                                            visual_aware=self.config.visual_aware)
-        self.executor.cost_aware = self.config.cost_aware
-        self.scheduler = scheduler or FifoScheduler(self.config.num_slots, self.max_len, max_nodes_per_request=full,
-                                                    token_budget=self.config.token_budget)
+        executor = SpeculativeExecutor(target, drafters, self.config.num_slots, self.max_len, full_nodes=full,
+                                       adaptive=self.config.adaptive,
+                                       attention_layers=self.config.attention_layers,
+                                       visual_aware=self.config.visual_aware)
+        executor.cost_aware = self.config.cost_aware
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer = tokenizer
         self.vocab_limit = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer else target.config.vocab_size
-        self._ids = itertools.count()
-        self._callbacks: dict[str, TokenCallback] = {}
-        #: request id -> per committed token, the target's attention mass on the visual tokens ``[n_visual]``
-        #: (requests with a ``visual_span``); the consumer pops it when the request finished
-        self.visual_attention: dict[str, list] = {}
+        self.runner = ModelRunner(name, executor, tokenizer, self.eos_token_ids, self.max_len,
+                                  requires_encoder_output=getattr(target, "requires_encoder_output", False))
+        self.loop = DeviceLoop([self.runner], scheduler or FifoScheduler(
+            self.config.num_slots, self.max_len, max_nodes_per_request=full, token_budget=self.config.token_budget))
+
+    @property
+    def executor(self) -> SpeculativeExecutor:
+        return self.runner.executor
+
+    @property
+    def scheduler(self):
+        return self.loop.scheduler
+
+    @scheduler.setter
+    def scheduler(self, value) -> None:
+        self.loop.scheduler = value
+
+    @property
+    def visual_attention(self) -> dict[str, list]:
+        """Request id -> per committed token, the target's attention mass on the visual tokens ``[n_visual]``
+        (requests with a ``visual_span``); the consumer pops it when the request finished."""
+        return self.loop.visual_attention
 
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
@@ -141,24 +161,14 @@ class SpeculativeEngine:
             InvalidRequestError: empty prompt, ids outside the vocabulary, ``max_new_tokens < 1``.
             ContextLengthError: the prompt leaves no room for a new token.
         """
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise InvalidRequestError("empty prompt: give at least one token id")
-        vocab = self.target.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        if max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if len(prompt_ids) >= self.max_len:
-            raise ContextLengthError(
-                f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_len} tokens "
-                f"(prompt + at least one new token)"
-            )
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        return Request(rid, prompt_ids, max_new_tokens, sampling or SamplingParams(),
-                       kwargs.pop("eos_token_ids", self.eos_token_ids), speculate,
-                       logits_processors=tuple(logits_processors), **kwargs)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        return self.runner.make_request(prompt_ids, max_new_tokens, sampling, request_id, speculate,
+                                        logits_processors, **kwargs)
+
+    @property
+    def _ids(self):
+        return self.runner._ids
 
     def add_request(self, request: Request, on_tokens: TokenCallback | None = None,
                     encoder_output: torch.Tensor | None = None) -> Request:
@@ -167,42 +177,18 @@ class SpeculativeEngine:
         Args:
             encoder_output: ``[S_enc, d_model]`` for encoder-decoder targets (Whisper): handed to
                 ``target.set_encoder_output(cache, slot, encoder_output)`` when the request is prefilled. A
-                request with ``encodes`` (QoS scheduler) may leave it None: the executor's encoder registry
-                stores it in ``executor.encoder_outputs`` when the scheduler runs the encode batch.
+                request with multimodal inputs may leave it None: the runner's encoder computes it.
 
         Raises:
             InvalidRequestError: an encoder output for a decoder-only target, or none for a target that
                 requires one.
         """
-        needs = getattr(self.target, "requires_encoder_output", False)
-        if encoder_output is not None and not hasattr(self.target, "set_encoder_output"):
-            raise InvalidRequestError("this target decoder takes no encoder output")
-        if encoder_output is None and needs and not request.encodes:
-            raise InvalidRequestError("this target decoder needs an encoder output per request (given here, or "
-                                      "stored in executor.encoder_outputs by the encoder of its encode items)")
-        self.scheduler.add(request)
-        self.executor.admit(request)
-        if encoder_output is not None:
-            self.executor.encoder_outputs[request.request_id] = encoder_output
-        if on_tokens is not None:
-            self._callbacks[request.request_id] = on_tokens
-        return request
+        return self.loop.add_request(request, on_tokens, encoder_output)
 
     # -- the loop -------------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One engine step; returns requests that finished in it."""
-        plan = self.scheduler.schedule()
-        output: StepOutput = self.executor.execute(plan)
-        finished = self.scheduler.update(output)
-        for res in output.results:
-            if res.visual_attention:
-                self.visual_attention.setdefault(res.request_id, []).extend(res.visual_attention)
-            cb = self._callbacks.get(res.request_id)
-            if cb is not None and (res.new_tokens or res.finish_reason or res.error):
-                cb(self.scheduler.requests[res.request_id], res.new_tokens)
-        for req in finished:
-            self._callbacks.pop(req.request_id, None)
-        return finished
+        return self.loop.step()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -219,7 +205,7 @@ class SpeculativeEngine:
                 for p in prompts]
         self.run()
         for r in reqs:
-            self.scheduler.pop_finished(r.request_id)
+            self.loop.pop(r.request_id)
         return reqs
 
     def stream(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None
@@ -232,7 +218,7 @@ class SpeculativeEngine:
             self.step()
             while chunks:
                 yield chunks.pop(0)
-        self.scheduler.pop_finished(req.request_id)
+        self.loop.pop(req.request_id)
 
     @property
     def target_forwards(self) -> int:

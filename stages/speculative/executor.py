@@ -65,6 +65,8 @@ class RequestState:
         encoder_output: an encoder-decoder target's per-request encoder output (or its projected
             cross-attention keys/values), handed to the target at prefill; kept across preemption.
         drafters: per drafter name, that drafter's scratch for this request.
+        mm_outputs: per multimodal input (``MMInput.item_id``), its encoder output, until the prefill hook turned
+            them into ``prefix_embeds`` / ``encoder_output``.
     """
 
     request: Request
@@ -73,6 +75,7 @@ class RequestState:
     prefix_embeds: torch.Tensor | None = None
     encoder_output: object | None = None
     drafters: dict[str, dict] = field(default_factory=dict)
+    mm_outputs: dict[str, object] = field(default_factory=dict)
 
 
 class _StateField(MutableMapping):
@@ -165,9 +168,13 @@ class SpeculativeExecutor:
         self.cost_ratio: float | None = None
         self.cost_aware = True
         self.visual_mass_threshold = visual_mass_threshold
-        #: encoder registry: modality -> callable run on each :class:`EncodeWork` of that modality. It encodes
-        #: the items (found by ``item_id``) and stores per-request outputs through :attr:`prefix_embeds` or
-        #: :attr:`encoder_outputs`.
+        #: multimodal encoders: modality -> ``fn(items)`` over ``[(RequestState, MMInput), ...]`` of one encode
+        #: batch, storing each output in ``state.mm_outputs[item_id]`` (:meth:`register_encoder`)
+        self.mm_encoders: dict[str, Callable[[list], None]] = {}
+        #: the one way multimodal inputs become prefill inputs: ``fn(state)`` called once before a request's
+        #: first prefill chunk, turning ``state.mm_outputs`` into ``prefix_embeds`` / ``encoder_output``
+        self.prefill_hook: Callable[[RequestState], None] | None = None
+        #: legacy encoder registry: modality -> callable run on each :class:`EncodeWork` (finds media by item id)
         self.encoders: dict[str, Callable[[EncodeWork], None]] = {}
         #: request id -> prompt embeddings (a view of :attr:`states`)
         self.prefix_embeds: MutableMapping = _StateField(self, "prefix_embeds")
@@ -218,18 +225,34 @@ class SpeculativeExecutor:
             st.drafters.clear()  # their caches are freed: nothing fed survives
         self._free_slot(slot)
 
+    def register_encoder(self, modality: str, fn: Callable[[list], None]) -> None:
+        """Encode ``modality`` inputs with ``fn(items)``, ``items`` = ``[(RequestState, MMInput), ...]`` of one
+        batch; ``fn`` stores each output in ``state.mm_outputs[mm.item_id]``."""
+        self.mm_encoders[modality] = fn
+
+    def handles(self, modality: str) -> bool:
+        return modality in self.mm_encoders or modality in self.encoders
+
     def _encode(self, works: tuple[EncodeWork, ...]) -> tuple[EncodeResult, ...]:
         results = []
         for work in works:
-            encoder = self.encoders.get(work.modality)
             error = None
-            if encoder is None:
-                error = {"code": "invalid_request", "message": f"no encoder registered for {work.modality!r}"}
-            else:
-                try:
-                    encoder(work)
-                except Exception as exc:  # one failed batch fails its requests, not the engine
-                    error = {"code": "internal_error", "message": f"{work.modality} encoder failed: {exc}"}
+            try:
+                if work.modality in self.mm_encoders:
+                    items = []
+                    for rid, item in work.items:
+                        st = self.states[rid]
+                        mm = next((m for m in st.request.mm_inputs if m.item_id == item.item_id), None)
+                        if mm is None:
+                            raise KeyError(f"request {rid!r} has no input {item.item_id!r}")
+                        items.append((st, mm))
+                    self.mm_encoders[work.modality](items)
+                elif work.modality in self.encoders:
+                    self.encoders[work.modality](work)
+                else:
+                    error = {"code": "invalid_request", "message": f"no encoder registered for {work.modality!r}"}
+            except Exception as exc:  # one failed batch fails its requests, not the engine
+                error = {"code": "internal_error", "message": f"{work.modality} encoder failed: {exc}"}
             results.extend(EncodeResult(rid, item.item_id, error) for rid, item in work.items)
         return tuple(results)
 
@@ -269,10 +292,10 @@ class SpeculativeExecutor:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run ``plan``: draft, target forward(s), batched verification on the device, one host copy, commit."""
         t_start = time.perf_counter()
-        for request_id, slot in plan.released:
-            self.release(request_id, slot)
-        for request_id, slot in plan.preempted:
-            self.preempt(request_id, slot)
+        for entry in plan.released:  # (request id, slot[, model])
+            self.release(entry[0], entry[1])
+        for entry in plan.preempted:
+            self.preempt(entry[0], entry[1])
         for work in plan.prefills:
             self.admit(work.request)
         for work in plan.decodes:
@@ -286,11 +309,15 @@ class SpeculativeExecutor:
         rows: list[_Row] = []
         for work in plan.prefills:
             st = self.states[work.request.request_id]
-            self.cache.reset(work.slot)
-            if st.encoder_output is not None:
-                self.target.set_encoder_output(self.cache, work.slot, st.encoder_output)
-                st.encoder_output = None  # in the slot now (a preemption copies it out again)
-            rows.append(_Row(st, work, work.slot, 0, list(work.tokens)))
+            if work.start == 0:
+                self.cache.reset(work.slot)
+                if st.mm_outputs and self.prefill_hook is not None:
+                    self.prefill_hook(st)  # multimodal inputs -> prefix embeddings / encoder output, once
+                    st.mm_outputs.clear()
+                if st.encoder_output is not None:
+                    self.target.set_encoder_output(self.cache, work.slot, st.encoder_output)
+                    st.encoder_output = None  # in the slot now (a preemption copies it out again)
+            rows.append(_Row(st, work, work.slot, work.start, list(work.tokens)))
         compiled = None
         if plan.decodes:
             compiled = compile_trees(trees, self.target.device, self.target.config.vocab_size)
@@ -365,8 +392,8 @@ class SpeculativeExecutor:
             lens = sizes[p]
             valid = arange_t[None, :] < lens[:, None]
             ids[p] = torch.tensor([rows[i].tokens + [0] * (t - len(rows[i].tokens)) for i in pre_idx], device=device)
-            pos[p] = arange_t.expand(len(pre_idx), t)
-            cols[p] = torch.where(valid, arange_t[None, :], torch.full_like(pos[p], self.cache.scratch))
+            pos[p] = prefix[p, None] + arange_t[None, :]  # a chunk continues after the chunks already cached
+            cols[p] = torch.where(valid, pos[p], torch.full_like(pos[p], self.cache.scratch))
             anc[p] = torch.ones((t, t), dtype=torch.bool, device=device).tril_()
         key_len = max(r.prefix + len(r.tokens) for r in rows)
         mask = tree_mask(prefix, anc, sizes, key_len)
@@ -381,7 +408,9 @@ class SpeculativeExecutor:
             for i, r in enumerate(rows):
                 pe = r.state.prefix_embeds
                 if r.is_prefill and pe is not None:
-                    embeds[i, : pe.shape[0]] = pe.to(device=embeds.device, dtype=embeds.dtype)
+                    part = pe[r.prefix: r.prefix + len(r.tokens)]  # this chunk's slice of the prompt embeddings
+                    if part.shape[0]:
+                        embeds[i, : part.shape[0]] = part.to(device=embeds.device, dtype=embeds.dtype)
         want_attn = any(r.request.visual_span for r in rows)
         batch = ForwardBatch(
             slots=torch.tensor([r.slot for r in rows], dtype=torch.long, device=device),
@@ -563,7 +592,7 @@ class SpeculativeExecutor:
         """Per logits row, the tokens before the one it predicts: the prefilled tokens (prefill), or context +
         the draft tokens on the tree path root -> node (decode)."""
         if row.tree is None:
-            return [list(row.tokens)]
+            return [row.request.context[: row.prefix + len(row.tokens)]]
         context = row.request.context
         return [context + row.tree.path_tokens(i) for i in range(len(row.tokens))]
 
@@ -582,6 +611,10 @@ class SpeculativeExecutor:
                 self.fail(req.request_id, row.slot)
                 results.append(RequestStepResult(req.request_id, is_prefill=row.is_prefill, error={
                     "code": "numerical_error", "message": "the target produced NaN or infinite logits"}))
+                continue
+            if row.is_prefill and not row.work.final:  # a prefill chunk: cached, no token yet
+                self.cache.lengths[row.slot] = row.prefix + len(row.tokens)
+                results.append(RequestStepResult(req.request_id, is_prefill=True, prefill_done=False))
                 continue
             if row.is_prefill:
                 path_nodes = [0]
@@ -605,6 +638,7 @@ class SpeculativeExecutor:
             vis: tuple = ()
             if visual[i] is not None:
                 # the row that predicted committed token k: the prompt's last row (prefill) or path node k (tree)
+                # (a chunked prompt's visual rows are those of its last chunk)
                 src = [len(row.tokens) - 1] if row.is_prefill else path_nodes
                 vis = tuple(visual[i][src[k]].numpy() for k in range(min(len(new), len(src))))
             if reason is not None:
@@ -613,7 +647,7 @@ class SpeculativeExecutor:
                                                  None, 1, visual_attention=vis, logprobs=lps))
                 continue
             if row.is_prefill:
-                self.cache.lengths[row.slot] = len(row.tokens)
+                self.cache.lengths[row.slot] = row.prefix + len(row.tokens)
             else:
                 keep = 1 + num_accepted  # root + accepted draft tokens that were committed
                 compact_slots.append(row.slot)

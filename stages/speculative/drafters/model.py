@@ -193,7 +193,6 @@ class ModelDrafter(Drafter):
         depth_limit = [min(inp.max_depth, spec.depth) for inp in inputs]
         fed = [{0} for _ in inputs]  # nodes whose draft K/V are in the cache (column base + node)
         logits = self._catch_up(inputs)
-        frontier = [[0] for _ in inputs]  # per request: nodes whose children the level's rows give
         rows = [(i, 0) for i in range(len(inputs))]  # (request, node) of each row of ``logits``
         cum = torch.zeros(len(inputs), device=logits.device)  # dynamic: cumulative log-probability per row
         depth = 0
