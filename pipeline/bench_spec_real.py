@@ -27,8 +27,15 @@ on the batch with SpecInfer's 21-node tree.
 The Hugging Face configurations run in a child process that ends before our models load, and our engines are
 loaded one at a time: the float32 HF models (~10 GB) and ours never share the memory.
 
+Our engines run with the default adaptive tree budget (``EngineConfig.adaptive``: the tree shrinks, or drafting
+stops, when acceptance times the measured draft cost says it does not pay). ``--fixed-trees`` turns it off, so
+every step drafts the configured tree: the run that compares trees with chains at the same node count. Without
+``hf/greedy`` in the run, outputs are compared with ``ours/no-spec`` alone (which equals HF greedy's in the full
+run).
+
 Results: ``OUT/bench_spec_real.json``, ``OUT/bench_spec_real.png`` and ``OUT/bench_spec_real.md`` (the tables;
-``--table-from JSON`` rebuilds them without running anything).
+``--table-from JSON`` rebuilds them without running anything); with ``--fixed-trees``,
+``OUT/bench_spec_real_fixed.*``.
 """
 
 from __future__ import annotations
@@ -159,20 +166,21 @@ def run_hf(target: Path, draft: Path, ids: dict, loads: dict, configs: list[str]
 # -- ours ------------------------------------------------------------------------------------------------------
 
 
-def _engine(target: Path, draft: Path, tree: str | None, drafts: str | None, slots: int, max_len: int):
+def _engine(target: Path, draft: Path, tree: str | None, drafts: str | None, slots: int, max_len: int,
+            adaptive: bool = True):
     from specstream.stages.speculative.drafters.model import TreeSpec
     from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
 
-    config = EngineConfig(num_slots=slots, max_len=max_len, tree=TreeSpec.parse(tree or "1"))
+    config = EngineConfig(num_slots=slots, max_len=max_len, tree=TreeSpec.parse(tree or "1"), adaptive=adaptive)
     return SpeculativeEngine.from_checkpoints(target, [draft] if drafts else [], ngram=drafts == "draft+ngram",
                                               config=config)
 
 
 def run_ours(name: str, target: Path, draft: Path, ids: dict, loads: dict, new_tokens: int,
-             max_len: int, log) -> dict:
+             max_len: int, log, adaptive: bool = True) -> dict:
     tree, drafts = CONFIGS[name]
     slots = max(len(p) for p in loads.values())
-    engine = _engine(target, draft, tree, drafts, slots, max_len)
+    engine = _engine(target, draft, tree, drafts, slots, max_len, adaptive)
     speculate = drafts is not None
     engine.generate([ids[loads[next(iter(loads))][0]]], 2, speculate=speculate)  # warm-up
     per = {}
@@ -263,7 +271,7 @@ def run(args) -> dict:
     results: dict = {"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "dtype": "float32",
                      "new_tokens": args.max_new_tokens, "target": TARGET, "draft": DRAFT,
                      "prompts": {n: PROMPTS[n] for n in names}, "prompt_tokens": {n: len(v) for n, v in ids.items()},
-                     "workloads": loads, "configs": {}}
+                     "workloads": loads, "adaptive": not args.fixed_trees, "configs": {}}
     eos = list(resolve_checkpoint(target).eos_token_ids())
     pad = eos[-1]
     if hf_names:
@@ -272,7 +280,8 @@ def run(args) -> dict:
         results["hf_load_s"] = hf["load_s"]
         results["configs"].update(hf["configs"])
     for name in ours_names:
-        results["configs"][name] = run_ours(name, target, draft, ids, loads, args.max_new_tokens, max_len, log)
+        results["configs"][name] = run_ours(name, target, draft, ids, loads, args.max_new_tokens, max_len, log,
+                                            adaptive=not args.fixed_trees)
     if args.profile_steps and not args.no_batch:
         batch = [ids[p] for p in loads[f"batch-{2 * len(names)}"]]
         results["host_time"] = host_time_per_step(target, draft, batch, args.profile_steps)
@@ -286,9 +295,11 @@ def summarize(results: dict) -> None:
     """Add tokens/s, ratios and identity flags to every (configuration, workload) entry, in place."""
     configs = results["configs"]
     reference = None
-    if "hf/greedy" in configs:  # the outputs of each prompt alone
-        reference = {w: configs["hf/greedy"][w]["outputs"][0] for w, ps in results["workloads"].items()
-                     if len(ps) == 1}
+    ref_name = next((n for n in ("hf/greedy", "ours/no-spec") if n in configs), None)
+    results["reference"] = ref_name
+    if ref_name is not None:  # the outputs of each prompt alone
+        reference = {results["workloads"][w][0]: configs[ref_name][w]["outputs"][0]
+                     for w, ps in results["workloads"].items() if len(ps) == 1}
     for name, per in configs.items():
         for wname, rec in per.items():
             tokens = sum(len(o) for o in rec["outputs"])
@@ -307,11 +318,14 @@ def summarize(results: dict) -> None:
 
 def markdown(results: dict) -> str:
     """The results as markdown tables (one per workload, then the host-time line)."""
+    budget = "adaptive tree budget" if results.get("adaptive", True) else "fixed trees (adaptive budget off)"
+    ref = results.get("reference") or "hf/greedy"
     lines = [f"Real pair ({results['target']} target, {results['draft']} draft), {results['dtype']}, "
-             f"{results['threads']} threads, {results['new_tokens']} new tokens per request, {results['date']}.", ""]
+             f"{results['threads']} threads, {results['new_tokens']} new tokens per request, {budget}, "
+             f"{results['date']}.", ""]
     for wname, prompts in results["workloads"].items():
         lines += [f"**{wname}** ({', '.join(prompts)})", "",
-                  "| configuration | tokens/s | tau | vs ours/no-spec | vs HF assisted | identical to HF greedy |",
+                  f"| configuration | tokens/s | tau | vs ours/no-spec | vs HF assisted | identical to {ref} |",
                   "|---|---|---|---|---|---|"]
         for name, per in results["configs"].items():
             rec = per.get(wname)
@@ -363,9 +377,10 @@ def plot(results: dict, path: Path) -> None:
 
 def write(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_spec_real.json").write_text(json.dumps(results, indent=1))
-    (out / "bench_spec_real.md").write_text(markdown(results))
-    plot(results, out / "bench_spec_real.png")
+    stem = "bench_spec_real" if results.get("adaptive", True) else "bench_spec_real_fixed"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.md").write_text(markdown(results))
+    plot(results, out / f"{stem}.png")
 
 
 def main(args) -> int:
@@ -404,6 +419,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"--real: configurations, comma-separated (default: all of "
                              f"{', '.join([*HF_CONFIGS, *CONFIGS])})")
     parser.add_argument("--no-batch", action="store_true", help="--real: skip the batch workload")
+    parser.add_argument("--fixed-trees", action="store_true",
+                        help="--real: our engines draft the configured tree every step (adaptive budget off); "
+                             "results go to bench_spec_real_fixed.*")
     parser.add_argument("--threads", type=int, default=2, help="--real: torch intra-op threads (default 2)")
     parser.add_argument("--profile-steps", type=int, default=8,
                         help="--real: decode steps profiled for the host time per step (0: none)")

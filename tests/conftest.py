@@ -7,7 +7,9 @@ gaps exceed 1e-5, so exactness tests test the engine and not rounding.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -101,8 +103,10 @@ def assert_clear_greedy_path(model, prompt: list[int], tokens: list[int]) -> Non
 torch.set_num_threads(1)
 
 # Tests never touch the user's cache: built-in models are created in a per-session directory.
+# The directory is removed when the test session's process exits.
 if "SPECSTREAM_CACHE" not in os.environ:
     os.environ["SPECSTREAM_CACHE"] = tempfile.mkdtemp(prefix="specstream-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["SPECSTREAM_CACHE"], True)
 
 
 @pytest.fixture(scope="session")

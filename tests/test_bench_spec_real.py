@@ -38,3 +38,18 @@ def test_summary_ratios_and_identity():
     assert "| ours/specinfer | 4.00 | 4.00 | 2.00x | 2.00x | yes |" in table
     assert "| ours/specinfer | 2.00 | 2.00 | 1.00x | 2.00x | **no** |" in table
     assert "| hf/assisted | 2.00 | – | 1.00x | 1.00x | yes |" in table
+
+
+def test_fixed_tree_run_compares_with_ours_without_speculation():
+    """A ``--fixed-trees`` run has no HF configurations: identity is checked against ``ours/no-spec`` alone."""
+    res = _result()
+    del res["configs"]["hf/greedy"], res["configs"]["hf/assisted"]
+    res["adaptive"] = False
+    summarize(res)
+    assert res["reference"] == "ours/no-spec"
+    spec = res["configs"]["ours/specinfer"]
+    assert spec["code"]["identical"] is True and spec["prose"]["identical"] is False
+    assert spec["batch-4"]["identical"] is True and spec["code"]["vs_hf_assisted"] is None
+    table = markdown(res)
+    assert "fixed trees (adaptive budget off)" in table and "identical to ours/no-spec |" in table
+    assert "| ours/specinfer | 8.00 | 3.00 | 2.00x | – | yes |" in table
