@@ -68,6 +68,7 @@ _RANK = {q: i for i, q in enumerate(QOS_CLASSES)}
 _PROMOTED = _RANK["interactive"] + 0.5
 #: a prefill chunk smaller than this (unless it ends the prompt) waits for a step with more room
 MIN_CHUNK = 16
+MAX_DEFER_S = 1.0  # realtime_step_budget_s: a deferred model still joins a step after waiting this long
 OBSERVE_DECAY = 0.98  # weight of an older step in the per-token cost fit (about the last 50 steps count)
 
 
@@ -134,6 +135,13 @@ class QosConfig:
             step may carry, from each model's measured prefill seconds per token (:meth:`QosScheduler.observe`;
             the device loop reports every step). A cheap model's prompt then goes in one step, a large model's in
             chunks. Until a model has been measured, ``realtime_prefill_chunk_tokens`` applies. None: tokens only.
+        realtime_step_budget_s: while realtime work of some model is active, another model's rows (decodes and
+            prefills) join a step only if that model's recent steps took at most this long on average
+            (:meth:`QosScheduler.observe`); otherwise they wait until no realtime work is active. A device runs a
+            step's models one after another, so a costly model's part would lengthen every step of a subtitle
+            window (on the 2-core CPU, 8 caption clients made subtitle p95 1.23x its value alone). The model of
+            the realtime work always runs (its other rows share its forward), and a model that has waited
+            ``MAX_DEFER_S`` (1 s) joins the next step, so it is slowed, never starved. None: no such rule.
         max_nodes_per_request: largest tree granted (root included).
         max_tree_depth: deepest draft token granted.
         spec_token_limit: verified decode tokens per step beyond which trees shrink; None = no limit.
@@ -161,6 +169,7 @@ class QosConfig:
     max_prefill_chunk_tokens: int | None = 512
     realtime_prefill_chunk_tokens: int = 32
     realtime_prefill_budget_s: float | None = None
+    realtime_step_budget_s: float | None = None
     max_nodes_per_request: int = 16
     max_tree_depth: int = 8
     spec_token_limit: int | None = None
@@ -295,6 +304,7 @@ class QosScheduler:
         #: per model: measured marginal forward seconds per token (:meth:`observe`)
         self.prefill_s_per_token: dict[str, float] = {}
         self._fit: dict[str, tuple[float, float, float, float, float]] = {}
+        self._deferred_since: dict[str, float] = {}  # model -> when its rows started waiting for realtime work
 
     # -- per model ------------------------------------------------------------------------------------------
     @property
@@ -447,13 +457,14 @@ class QosScheduler:
         self._preempt_for_realtime(ready, now)
         self._preempt_for_memory(now)
         budget = float(self.config.token_budget)
-        order = sorted(self.running.values(), key=lambda r: self._key(r, now))
+        deferred = self._deferred_models(ready, now)
+        order = sorted((r for r in self.running.values() if r.model not in deferred), key=lambda r: self._key(r, now))
         nodes = {r.request_id: 1 for r in order}  # every decoding request verifies its root
         budget -= sum(self._cost(r) for r in order)
         reserve = self._batch_reserve(order, ready, now)
         rt = [r for r in order if r.qos == "realtime"]
         budget -= self._grow_trees(rt, nodes, budget - reserve, self._mem_left(nodes, ()))
-        prefills, budget = self._prefill(ready, nodes, budget, reserve, now)
+        prefills, budget = self._prefill(ready, nodes, budget, reserve, now, deferred)
         reserve = min(reserve, self._batch_reserve(order, [], now))  # what batch trees may still claim
         inter = [r for r in order if not self._is_batch_work(r, now) and r.qos != "realtime"]
         budget -= self._grow_trees(inter, nodes, budget - reserve, self._mem_left(nodes, prefills))
@@ -556,8 +567,36 @@ class QosScheduler:
                     if r.model == req.model and r.qos != "realtime")
         return nonrt < lim.num_slots - lim.reserved_realtime_slots
 
+    def _deferred_models(self, ready: list[Request], now: float) -> set[str]:
+        """Models whose rows wait this step (``realtime_step_budget_s``): not the model of any active realtime
+        request, recent steps averaging more than the budget, and not yet waiting ``MAX_DEFER_S`` (after that
+        one step of theirs joins, so a continuous subtitle stream slows captions but never starves them)."""
+        limit = self.config.realtime_step_budget_s
+        if limit is None:
+            return set()
+        active = [*self.running.values(), *self.prefilling.values(), *ready]
+        rt_models = {r.model for r in active if r.qos == "realtime"}
+        costly = {m for m in {r.model for r in active} - rt_models
+                  if (mean := self.mean_step_s(m)) is not None and mean > limit} if rt_models else set()
+        deferred = set()
+        for m in costly:
+            since = self._deferred_since.setdefault(m, now)
+            if now - since < MAX_DEFER_S:
+                deferred.add(m)
+            else:
+                del self._deferred_since[m]  # this step it runs; the wait starts again afterwards
+        for m in set(self._deferred_since) - costly:
+            del self._deferred_since[m]
+        return deferred
+
+    def mean_step_s(self, model: str) -> float | None:
+        """Mean seconds of ``model``'s recent steps (the same forgetting as the per-token fit); None until one
+        step was observed."""
+        fit = self._fit.get(model)
+        return fit[2] / fit[0] if fit and fit[0] > 0 else None
+
     def _prefill(self, ready: list[Request], nodes: dict[str, int], budget: float, reserve: float,
-                 now: float) -> tuple[list[PrefillWork], float]:
+                 now: float, deferred: set[str] = frozenset()) -> tuple[list[PrefillWork], float]:
         """Prefill chunks in priority order: requests in the middle of a chunked prefill and newly admitted ones.
         Returns the work and the budget left."""
         cfg = self.config
@@ -570,6 +609,8 @@ class QosScheduler:
         spent_s = 0.0  # their estimated seconds (realtime_prefill_budget_s)
         cands = sorted(list(self.prefilling.values()) + ready, key=lambda r: self._key(r, now))
         for req in cands:
+            if req.model in deferred:
+                continue  # its model waits while realtime work of another model is active
             cont = req.request_id in self.prefilling
             batch_work = self._is_batch_work(req, now)
             if only_batch and not batch_work:

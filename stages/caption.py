@@ -399,6 +399,8 @@ class Captioner:
         self.loop = loop
         self.export_attention = attention_maps or visual_aware
         self._ids = itertools.count()
+        #: seconds spent in the vision tower (the runner's image encoder), over the captioner's life
+        self.encode_s = 0.0
 
     def _features_bytes(self) -> int:
         """Bytes of one image's prompt embeddings (visual tokens x hidden x 4), the memory budget's estimate."""
@@ -407,9 +409,11 @@ class Captioner:
 
     def _encode(self, items) -> None:
         """The runner's image encoder: one vision-tower batch; features into each request's record."""
+        t0 = time.perf_counter()
         feats = self.vlm.encode([mm.data for _, mm in items])
         for (state, mm), f in zip(items, feats):
             state.mm_outputs[mm.item_id] = f
+        self.encode_s += time.perf_counter() - t0
 
     def _prefill_inputs(self, state) -> None:
         """The runner's prefill hook: the request's image features spliced into its prompt embeddings."""

@@ -42,6 +42,8 @@ TokenCallback = Callable[[Request, tuple[int, ...]], None]
 
 #: seconds of non-realtime prefill a device step may carry while realtime work is active (the loop's default)
 REALTIME_PREFILL_BUDGET_S = 0.01
+#: a model whose steps average longer waits while another model's realtime work is active (``QosConfig``)
+REALTIME_STEP_BUDGET_S = 0.01
 
 
 @dataclass
@@ -507,11 +509,14 @@ class DeviceLoop:
 def new_qos_scheduler(metrics=None, clock=time.monotonic, **config) -> Any:
     """A :class:`~specstream.schedulers.qos.QosScheduler` with no model yet and a memory budget in bytes that
     grows as runners join (``config``: :class:`~specstream.schedulers.qos.QosConfig` keys). While realtime work is
-    active, a step carries at most ``REALTIME_PREFILL_BUDGET_S`` of other models' measured prefill time."""
+    active, a step carries at most ``REALTIME_PREFILL_BUDGET_S`` of other models' measured prefill time, and a
+    model whose steps average more than ``REALTIME_STEP_BUDGET_S`` waits (at most ``MAX_DEFER_S``) while another
+    model's realtime work is active."""
     from specstream.schedulers.qos import QosConfig, QosScheduler
 
     cfg = {"models": {}, "memory_budget_bytes": 0, "reserved_realtime_slots": 0,
-           "realtime_prefill_budget_s": REALTIME_PREFILL_BUDGET_S, **config}
+           "realtime_prefill_budget_s": REALTIME_PREFILL_BUDGET_S, "realtime_step_budget_s": REALTIME_STEP_BUDGET_S,
+           **config}
     return QosScheduler(QosConfig(**cfg), clock=clock, metrics=metrics)
 
 

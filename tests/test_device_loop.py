@@ -97,7 +97,10 @@ def test_whisper_window_and_vlm_rows_share_device_steps_with_outputs_of_separate
     ref = _requests(svc_a, cap_a, windows)
     want = _run_alone(svc_a.loop, ref[:2]) + _run_alone(cap_a.loop, ref[2:])
 
-    loop = DeviceLoop([], new_qos_scheduler(token_budget=4096, max_nodes_per_request=17, max_tree_depth=16),
+    # realtime_step_budget_s off: on this CPU the VLM's steps exceed it, so its rows would wait while the windows
+    # run (that rule: test_scheduler_plan.py::test_costly_model_waits_while_another_models_realtime_work_runs)
+    loop = DeviceLoop([], new_qos_scheduler(token_budget=4096, max_nodes_per_request=17, max_tree_depth=16,
+                                            realtime_step_budget_s=None),
                       device="cpu")
     svc, cap = _models(tiny_whisper, tiny_llava, loop)
     assert svc.loop is cap.loop is loop and set(loop.runners) == {"whisper", "vlm"}

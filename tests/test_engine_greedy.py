@@ -212,6 +212,41 @@ def test_adaptive_budget_switches_off_useless_or_costly_drafts_and_probes():
     assert good.requested_nodes(cost_ratio=5.0) == 1  # 4 tokens per step do not pay for 6x the step time
 
 
+def test_adaptive_budget_shortens_a_costly_deep_tree_instead_of_switching_it_off():
+    """With the draft's cost per level known, a request asks for the depth with the best expected speed-up.
+
+    SpecInfer's 8-level tree at a per-level acceptance of 2/3: when a draft level costs 0.3 of a verify, the
+    whole tree costs 3.4 plain steps for an expected 2.9 tokens, so the old rule switched drafting off; the best
+    depth is 2 (3 nodes: 1 + 2/3 + 4/9 = 2.11 tokens for 1.6 steps).
+    """
+    from specstream.stages.speculative.drafters.base import AdaptiveBudget
+
+    spec = TreeSpec.parse("1,1,3,1,1,1,1,1")
+    assert spec.depth_nodes() == (1, 2, 3, 6, 9, 12, 15, 18, 21)
+    assert TreeSpec.parse("dynamic:20").depth_nodes() == ()
+    b = AdaptiveBudget(full_nodes=21, depth_nodes=spec.depth_nodes())
+    for _ in range(40):
+        b.observe(2, 21, 8)  # two levels accepted, the third rejected
+    assert b.alpha == pytest.approx(2 / 3, abs=1e-4) and b.ema == pytest.approx(2.0, abs=1e-4)
+    assert b.requested_nodes(cost_ratio=2.4) == 1  # without the per-level cost: off (3 tokens < 3.4 steps)
+    assert b.best_depth(0.3) == 2 and b.requested_nodes(2.4, depth_cost=0.3) == 3
+    assert b.best_depth(0.05) == 5 and b.requested_nodes(0.4, depth_cost=0.05) == 12
+    assert b.best_depth(0.0) == 8 and b.requested_nodes(0.0, depth_cost=0.0) == 21
+    assert b.requested_nodes(12.0, depth_cost=1.5) == 1  # no depth pays: off, with the usual probes
+    sure = AdaptiveBudget(full_nodes=21, depth_nodes=spec.depth_nodes())
+    for _ in range(10):
+        sure.observe(8, 21, 8)  # every level accepted: no miss, alpha 1
+    assert sure.alpha == 1.0 and sure.requested_nodes(2.4, depth_cost=0.3) == 21
+
+
+def test_engine_measures_draft_cost_per_level_and_stays_exact(tiny, references):
+    eng = engine(tiny, ["noisy"], tree="1,1,3,1,1,1,1,1", cost_aware=True)
+    assert eng.executor.depth_nodes == (1, 2, 3, 6, 9, 12, 15, 18, 21)
+    reqs = eng.generate(PROMPTS[:4], 24)
+    assert [r.output_ids for r in reqs] == [references[tuple(p)][:24] for p in PROMPTS[:4]]
+    assert eng.executor.depth_cost is not None and eng.executor.depth_cost > 0
+
+
 def test_random_draft_is_switched_off_by_adaptivity(tiny, references):
     eng = engine(tiny, ["random"], tree="1,1,3,1,1,1,1,1")
     req = eng.generate([PROMPTS[3]], 24)[0]

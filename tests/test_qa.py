@@ -185,6 +185,8 @@ def test_qa_end_to_end_frames_transcript_answers_errors_and_qos(models, media, h
     assert bad_a["error"]["code"] == bad_b["error"]["code"] == "unsupported_media"
     assert set(bad_a) == {"id", "question_id", "video", "error"} and bad_a["video"] == str(media["bad"])
     assert (summary.answered, summary.failed, summary.skipped) == (3, 3, 0)
+    # the vision tower's time is booked apart from decoding (bench qa's "encoding" share)
+    assert hub.encode_seconds() > 0 and hub.encode_seconds() == vlm.captioner.encode_s  # 0.0 before the fix
     # every answer ran in the batch class of the VLM engine's scheduler (its tau histogram counts per class)
     per_class = {(s.labels["model"], s.labels["qos"]): s.value for m in hub.metrics.registry.collect()
                  if m.name.endswith("_tau") for s in m.samples if s.name.endswith("_count")}

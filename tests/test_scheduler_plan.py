@@ -250,3 +250,37 @@ def test_realtime_prefill_budget_in_seconds_follows_each_models_measured_cost():
     s3.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
     s3.add(R("cap", [1] * 150, 8, qos="interactive", deadline_s=5.0, model="vlm"))
     assert [(p.request.request_id, p.num_tokens) for p in s3.schedule().prefills] == [("w", 6), ("cap", 32)]
+
+
+def test_costly_model_waits_while_another_models_realtime_work_runs():
+    """``realtime_step_budget_s``: a model whose steps average more than the budget sits out the steps that
+    carry another model's realtime rows (a device runs a step's models one after another), for at most
+    MAX_DEFER_S; a cheap model, the realtime model's own other rows and an unmeasured model still join."""
+    from specstream.schedulers.plan import Request as R
+    from specstream.schedulers.qos import MAX_DEFER_S, ModelLimits
+
+    clock = VirtualClock()
+    models = {"vlm": ModelLimits(num_slots=4, max_len=4096), "text": ModelLimits(num_slots=4, max_len=4096),
+              "whisper": ModelLimits(num_slots=2, max_len=448)}
+    s = QosScheduler(QosConfig(models=models, token_budget=8192, realtime_step_budget_s=0.01), clock=clock)
+    s.add(R("cap", [1] * 40, 8, qos="interactive", deadline_s=30.0, model="vlm"))
+    s.add(R("chat", [1] * 20, 8, qos="interactive", deadline_s=30.0, model="text"))
+    s.add(R("job", [1] * 10, 8, qos="batch", model="whisper"))
+    plan = s.schedule()  # nothing measured, no realtime work: everyone prefills
+    assert sorted(p.request.request_id for p in plan.prefills) == ["cap", "chat", "job"]
+    book(s, plan)
+    s.observe("vlm", 40, 40, 0.08)  # 80 ms steps
+    s.observe("text", 20, 20, 0.004)  # 4 ms steps
+    s.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
+    plan = s.schedule()
+    assert [p.request.request_id for p in plan.prefills] == ["w"]
+    assert sorted(d.request.request_id for d in plan.decodes) == ["chat", "job"]  # the VLM waits
+    assert s.mean_step_s("vlm") == pytest.approx(0.08) and s.mean_step_s("whisper") is None
+    clock.advance(MAX_DEFER_S + 0.01)
+    assert "cap" in {d.request.request_id for d in s.schedule().decodes}  # waited 1 s: joins one step
+    assert "cap" not in {d.request.request_id for d in s.schedule().decodes}  # and waits again
+    off = QosScheduler(QosConfig(models=models, token_budget=8192), clock=clock)  # the rule off: both run
+    off.observe("vlm", 40, 40, 0.08)
+    off.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
+    off.add(R("cap", [1] * 40, 8, qos="interactive", deadline_s=30.0, model="vlm"))
+    assert sorted(p.request.request_id for p in off.schedule().prefills) == ["cap", "w"]

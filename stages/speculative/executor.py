@@ -166,7 +166,12 @@ class SpeculativeExecutor:
         #: measured draft time / verify time of steps with drafts (EMA); adaptivity weighs acceptance against it
         #: (``cost_aware`` False: acceptance alone decides, deterministic — what the simulator models)
         self.cost_ratio: float | None = None
+        #: measured draft time per tree level / verify time (EMA): the adaptive budget picks the depth by it
+        self.depth_cost: float | None = None
         self.cost_aware = True
+        #: nodes of the first static-tree model drafter's tree cut after each depth (the depth-by-cost budget)
+        self.depth_nodes: tuple[int, ...] = next(
+            (d.tree_spec.depth_nodes() for d in self.drafters if getattr(d, "tree_spec", None) is not None), ())
         self.visual_mass_threshold = visual_mass_threshold
         #: multimodal encoders: modality -> ``fn(items)`` over ``[(RequestState, MMInput), ...]`` of one encode
         #: batch, storing each output in ``state.mm_outputs[item_id]`` (:meth:`register_encoder`)
@@ -186,7 +191,8 @@ class SpeculativeExecutor:
         """Create the request's record (idempotent)."""
         st = self.states.get(request.request_id)
         if st is None:
-            st = RequestState(request, random.Random(request.sampling.seed), AdaptiveBudget(full_nodes=self.full_nodes))
+            budget = AdaptiveBudget(full_nodes=self.full_nodes, depth_nodes=self.depth_nodes)
+            st = RequestState(request, random.Random(request.sampling.seed), budget)
             self.states[request.request_id] = st
         return st
 
@@ -329,6 +335,8 @@ class SpeculativeExecutor:
         if drafted and verify_s > 0 and self.cost_aware:
             ratio = draft_s / verify_s
             self.cost_ratio = ratio if self.cost_ratio is None else 0.8 * self.cost_ratio + 0.2 * ratio
+            per_level = ratio / max(1, max(t.max_depth for t in trees))
+            self.depth_cost = per_level if self.depth_cost is None else 0.8 * self.depth_cost + 0.2 * per_level
         n_dec = max(1, len(plan.decodes))
         results = [
             dataclasses.replace(r, draft_s=0.0 if r.is_prefill else draft_s / n_dec, verify_s=verify_s / len(rows))
@@ -660,8 +668,9 @@ class SpeculativeExecutor:
             if req.speculate and self.drafters:
                 budget = row.state.budget
                 if not row.is_prefill:
-                    budget.observe(num_accepted, len(row.tree))
-                requested = budget.requested_nodes(self.cost_ratio or 0.0) if self.adaptive else self.full_nodes
+                    budget.observe(num_accepted, len(row.tree), row.tree.max_depth)
+                requested = (budget.requested_nodes(self.cost_ratio or 0.0, self.depth_cost) if self.adaptive
+                             else self.full_nodes)
                 if self.visual_aware and vis:
                     # the node that predicted the last committed token is where the next tree starts: when the
                     # target looks hard at the image there, a text-only draft is weakest, so ask for a smaller tree

@@ -73,6 +73,18 @@ class TreeSpec:
     def depth(self) -> int:
         return self.max_depth if self.dynamic_nodes else len(self.widths)
 
+    def depth_nodes(self) -> tuple[int, ...]:
+        """Nodes of the full tree cut after depth ``d`` (root included), for ``d = 0..depth``; ``()`` for a
+        dynamic tree (its shape changes every step)."""
+        if self.dynamic_nodes:
+            return ()
+        out, total, level = [1], 1, 1
+        for w in self.widths:
+            level *= w
+            total += level
+            out.append(total)
+        return tuple(out)
+
     def num_nodes(self) -> int:
         """Nodes of a full tree, root included."""
         if self.dynamic_nodes:
