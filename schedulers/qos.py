@@ -575,7 +575,8 @@ class QosScheduler:
         if limit is None:
             return set()
         active = [*self.running.values(), *self.prefilling.values(), *ready]
-        rt_models = {r.model for r in active if r.qos == "realtime"}
+        # a realtime request still waiting for its encoder output counts too: its encode runs in this step
+        rt_models = {r.model for r in [*active, *self._queued.values()] if r.qos == "realtime"}
         costly = {m for m in {r.model for r in active} - rt_models
                   if (mean := self.mean_step_s(m)) is not None and mean > limit} if rt_models else set()
         deferred = set()
