@@ -146,6 +146,42 @@ def test_logprobs_top_logprobs_stop_and_sampling_seed(client):
     assert a.choices[0].message.content == b.choices[0].message.content
 
 
+def test_max_completion_tokens_and_top_p(client):
+    """``max_completion_tokens`` bounds the answer like ``max_tokens``; ``top_p`` is the nucleus of the sampler:
+    a nucleus of one token makes sampling at temperature 1 give the greedy answer, and ``top_p`` 1 keeps every
+    token (a seeded draw that differs from greedy)."""
+    msgs = [{"role": "user", "content": "Count with me"}]
+    r = client.chat.completions.create(model=VLM, messages=msgs, max_completion_tokens=5, temperature=0)
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    greedy = client.chat.completions.create(model=VLM, messages=msgs, max_tokens=8, temperature=0)
+    nucleus = client.chat.completions.create(model=VLM, messages=msgs, max_tokens=8, temperature=1.0, top_p=1e-6,
+                                             seed=3)
+    assert nucleus.choices[0].message.content == greedy.choices[0].message.content
+    assert greedy.usage.completion_tokens == nucleus.usage.completion_tokens == 8
+    wide = [client.chat.completions.create(model=VLM, messages=msgs, max_tokens=8, temperature=1.0, top_p=1.0,
+                                           seed=s).choices[0].message.content for s in (3, 4, 5)]
+    assert any(w != greedy.choices[0].message.content for w in wide)  # untrained weights: a flat distribution
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=VLM, messages=msgs, max_tokens=2, top_p=0)
+
+
+@pytest.mark.parametrize("name", ["/", ".", "..", "../../escape.wav", "a" * 300 + ".wav", "no-extension",
+                                  "line\nbreak.wav"])
+def test_transcription_upload_names_are_never_paths(client, media, name, tmp_path):
+    """A transcription upload is stored under a name of the server's own: any client file name (a path, ``..``,
+    over 255 bytes, control characters, none at all) transcribes the same audio, and errors show the safe name."""
+    from specstream.stages.speech import transcribe
+
+    data = Path(media["wav"]).read_bytes()
+    got = client.audio.transcriptions.create(model="whisper-1", file=(name, data, "audio/wav")).text
+    assert got == transcribe(str(media["wav"])).text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.audio.transcriptions.create(model="whisper-1", file=(name, b"not audio at all", "audio/wav"))
+    message = e.value.body["message"]
+    assert e.value.code == "unsupported_media" and "/" not in message.split(":")[0] and "\n" not in message
+    assert len(message.split(":")[0].encode()) <= 255
+
+
 def test_errors_raise_the_matching_exception_classes(client, server, media, src):
     msgs = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as e:

@@ -194,6 +194,23 @@ def test_qa_end_to_end_frames_transcript_answers_errors_and_qos(models, media, h
     assert {q for _, q in per_class} == {"batch"}
 
 
+def test_each_answer_is_drafted_from_the_previous_answer_of_the_video(models, media, tmp_path):
+    """The previous answer of the same video is the temporal drafter's hypothesis: asked the same question again,
+    the target verifies the previous answer's tokens as drafts, so the second answer (identical, as drafts never
+    change tokens) takes half the target steps or fewer (the adaptive budget and the visual-aware shrink bound
+    each tree, so not the whole answer in one step)."""
+    hub = make_hub(models, ngram=False)
+    q = "What is parked next to the station?"
+    manifest = write_manifest(tmp_path / "m.jsonl", [{"id": "talk", "video": str(media["talk"]), "questions": [
+        {"id": "a", "text": q}, {"id": "b", "text": q}]}])
+    out = tmp_path / "answers.jsonl"
+    asyncio.run(run_qa(str(manifest), str(out), QaOptions(max_new_tokens=16), hub=hub))
+    first, second = lines(out)
+    assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 16
+    assert 2 * second["stats"]["target_steps"] <= first["stats"]["target_steps"]  # 5 against 10 here
+    assert second["stats"]["mean_accepted"] >= 2.5 > 1.0 >= first["stats"]["mean_accepted"]
+
+
 def test_visual_token_budget_and_context_choose_fewer_frames(models, media, tmp_path):
     hub = make_hub(models)
     manifest = write_manifest(tmp_path / "m.jsonl", [
