@@ -233,10 +233,29 @@ def test_adaptive_budget_shortens_a_costly_deep_tree_instead_of_switching_it_off
     assert b.best_depth(0.05) == 5 and b.requested_nodes(0.4, depth_cost=0.05) == 12
     assert b.best_depth(0.0) == 8 and b.requested_nodes(0.0, depth_cost=0.0) == 21
     assert b.requested_nodes(12.0, depth_cost=1.5) == 1  # no depth pays: off, with the usual probes
+    # verifying nodes costs too (a CPU at batch 8): 0.4 of a plain step per node leaves depth 1, 1.0 none
+    assert b.best_depth(0.05, node_cost=0.4) == 1 and b.requested_nodes(0.4, 0.05, node_cost=0.4) == 2
+    assert b.best_depth(0.05, node_cost=1.0) == 0 and b.requested_nodes(0.4, 0.05, node_cost=1.0) == 1
     sure = AdaptiveBudget(full_nodes=21, depth_nodes=spec.depth_nodes())
     for _ in range(10):
         sure.observe(8, 21, 8)  # every level accepted: no miss, alpha 1
     assert sure.alpha == 1.0 and sure.requested_nodes(2.4, depth_cost=0.3) == 21
+
+
+def test_step_cost_fit_separates_a_steps_fixed_cost_from_its_per_token_cost():
+    from specstream.stages.speculative.drafters.base import StepCostFit
+
+    fit = StepCostFit()
+    fit.observe(5, 0.1 + 5 * 0.01)
+    assert fit.line() is None  # one size: no slope yet
+    for n in (1, 8, 40, 3, 21):
+        fit.observe(n, 0.1 + n * 0.01)
+    intercept, slope = fit.line()
+    assert intercept == pytest.approx(0.1) and slope == pytest.approx(0.01)
+    flat = StepCostFit()
+    for n in (1, 8, 40, 3):
+        flat.observe(n, 0.2)  # a memory-bound step: no per-token cost to speak of
+    assert flat.line() is None
 
 
 def test_engine_measures_draft_cost_per_level_and_stays_exact(tiny, references):

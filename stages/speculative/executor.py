@@ -42,7 +42,7 @@ from specstream.schedulers.plan import (
     StepOutput,
     StepPlan,
 )
-from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
+from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter, StepCostFit
 from specstream.stages.speculative.logits import apply_logits_processors
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
 from specstream.stages.speculative.tree import CompiledTrees, TokenTree, ancestor_matrix, compile_trees
@@ -166,8 +166,13 @@ class SpeculativeExecutor:
         #: measured draft time / verify time of steps with drafts (EMA); adaptivity weighs acceptance against it
         #: (``cost_aware`` False: acceptance alone decides, deterministic — what the simulator models)
         self.cost_ratio: float | None = None
-        #: measured draft time per tree level / verify time (EMA): the adaptive budget picks the depth by it
+        #: measured draft time per tree level / a plain step's time (EMA): the adaptive budget picks the depth by it
         self.depth_cost: float | None = None
+        #: verify seconds per tree node x decoding rows / a plain step's time (0 until the fit has a slope)
+        self.node_cost: float = 0.0
+        #: the target forward's seconds against the tokens it verified (``StepCostFit``)
+        self.verify_fit = StepCostFit()
+        self._level_s: float | None = None
         self.cost_aware = True
         #: nodes of the first static-tree model drafter's tree cut after each depth (the depth-by-cost budget)
         self.depth_nodes: tuple[int, ...] = next(
@@ -335,8 +340,18 @@ class SpeculativeExecutor:
         if drafted and verify_s > 0 and self.cost_aware:
             ratio = draft_s / verify_s
             self.cost_ratio = ratio if self.cost_ratio is None else 0.8 * self.cost_ratio + 0.2 * ratio
-            per_level = ratio / max(1, max(t.max_depth for t in trees))
-            self.depth_cost = per_level if self.depth_cost is None else 0.8 * self.depth_cost + 0.2 * per_level
+            level_s = draft_s / max(1, max(t.max_depth for t in trees))
+            self._level_s = level_s if self._level_s is None else 0.8 * self._level_s + 0.2 * level_s
+        if verify_s > 0 and self.cost_aware:
+            self.verify_fit.observe(sum(len(r.tokens) for r in rows), verify_s)
+            if self._level_s is not None:
+                line = self.verify_fit.line()
+                n_dec = len(plan.decodes)
+                plain = line[0] + line[1] * n_dec if line is not None and n_dec else None
+                if plain:  # relative to a plain step of this batch: one root per decoding row
+                    self.depth_cost, self.node_cost = self._level_s / plain, line[1] * n_dec / plain
+                else:
+                    self.depth_cost, self.node_cost = self._level_s / verify_s, 0.0
         n_dec = max(1, len(plan.decodes))
         results = [
             dataclasses.replace(r, draft_s=0.0 if r.is_prefill else draft_s / n_dec, verify_s=verify_s / len(rows))
@@ -669,7 +684,8 @@ class SpeculativeExecutor:
                 budget = row.state.budget
                 if not row.is_prefill:
                     budget.observe(num_accepted, len(row.tree), row.tree.max_depth)
-                requested = (budget.requested_nodes(self.cost_ratio or 0.0, self.depth_cost) if self.adaptive
+                requested = (budget.requested_nodes(self.cost_ratio or 0.0, self.depth_cost, self.node_cost)
+                             if self.adaptive
                              else self.full_nodes)
                 if self.visual_aware and vis:
                     # the node that predicted the last committed token is where the next tree starts: when the

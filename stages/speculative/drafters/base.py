@@ -78,9 +78,12 @@ class AdaptiveBudget:
     small probe tree every ``probe_every`` steps, so a request whose drafts become good again gets them back.
 
     **Depth by cost** (when the executor knows the draft's cost per tree level, ``depth_cost`` = draft time per
-    level / verify time, and the tree's shape, ``depth_nodes[d]`` = nodes of the configured tree cut after depth
-    ``d``, root included): the request asks for the depth ``d`` that maximises the expected speed-up of a step,
-    ``(1 + sum_{i=1..d} alpha^i) / (1 + depth_cost * d)``, where ``alpha`` is the per-level acceptance rate
+    level / a plain step's time, the verify cost of each extra tree node, ``node_cost`` = seconds per verified
+    token x decoding rows / a plain step's time, and the tree's shape, ``depth_nodes[d]`` = nodes of the
+    configured tree cut after depth ``d``, root included): the request asks for the depth ``d`` that maximises the
+    expected speed-up of a step over a plain one,
+    ``(1 + sum_{i=1..d} alpha^i) / (1 + depth_cost * d + node_cost * (depth_nodes[d] - 1))``, where ``alpha`` is
+    the per-level acceptance rate
     estimated from the steps seen (accepted levels over accepted levels plus rejections: a step that accepted
     ``k`` of ``D`` levels is ``k`` hits and one miss when ``k < D``). A deep tree whose draft costs more than its
     acceptance earns is shortened instead of switched off; ``d = 0`` switches drafting off (with probes). The
@@ -119,13 +122,14 @@ class AdaptiveBudget:
         total = self.hits + self.misses
         return self.hits / total if total > 0 else 0.0
 
-    def best_depth(self, depth_cost: float) -> int:
+    def best_depth(self, depth_cost: float, node_cost: float = 0.0) -> int:
         """The depth (0 = no drafts) with the highest expected tokens per unit of step time."""
         a, gain, best, best_d, expected = self.alpha, 0.0, 1.0, 0, 1.0
         for d in range(1, len(self.depth_nodes)):
             gain = a if d == 1 else gain * a
             expected += gain
-            speedup = expected / (1.0 + max(0.0, depth_cost) * d)
+            cost = 1.0 + max(0.0, depth_cost) * d + max(0.0, node_cost) * (self.depth_nodes[d] - 1)
+            speedup = expected / cost
             if speedup > best + 1e-9:
                 best, best_d = speedup, d
         return best_d
@@ -133,7 +137,8 @@ class AdaptiveBudget:
     def pays(self, cost_ratio: float = 0.0) -> bool:
         return self.ema >= self.off_below and (1.0 + self.ema) / (1.0 + max(0.0, cost_ratio)) >= 1.0
 
-    def requested_nodes(self, cost_ratio: float = 0.0, depth_cost: float | None = None) -> int:
+    def requested_nodes(self, cost_ratio: float = 0.0, depth_cost: float | None = None,
+                        node_cost: float = 0.0) -> int:
         """Tree size (root included) to ask for next step; 1 = no drafts.
 
         ``depth_cost`` (draft time per tree level / verify time) with known ``depth_nodes`` selects the depth
@@ -141,7 +146,7 @@ class AdaptiveBudget:
         acceptance average decide between the full tree, a smaller one and none.
         """
         if depth_cost is not None and len(self.depth_nodes) > 1 and self.ema >= self.off_below:
-            d = self.best_depth(depth_cost)
+            d = self.best_depth(depth_cost, node_cost)
             if d == 0:
                 return self.min_nodes if self.steps_off + 1 >= self.probe_every else 1
             return min(self.full_nodes, self.depth_nodes[d])
@@ -150,3 +155,31 @@ class AdaptiveBudget:
         if self.ema >= 1.0:
             return self.full_nodes
         return max(self.min_nodes, min(self.full_nodes, int(round(self.full_nodes * self.ema))))
+
+
+class StepCostFit:
+    """Seconds of a target forward as ``intercept + slope x tokens``: a least-squares line through recent steps,
+    older ones forgotten by ``decay`` per step (the per-token part is what extra tree nodes cost; on a CPU it is
+    a large share of a step, on a GPU a small one)."""
+
+    def __init__(self, decay: float = 0.95):
+        self.decay = decay
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        w, sx, sy, sxx, sxy = (self.decay * v for v in self._sums)
+        self._sums = (w + 1, sx + tokens, sy + seconds, sxx + tokens * tokens, sxy + tokens * seconds)
+
+    def line(self) -> tuple[float, float] | None:
+        """(intercept, slope) in seconds and seconds per token; None until the steps differ in size enough."""
+        w, sx, sy, sxx, sxy = self._sums
+        if w <= 0:
+            return None
+        var = sxx / w - (sx / w) ** 2
+        if var < 4.0:  # token counts within about +-2 of each other: the slope is noise
+            return None
+        slope = (sxy / w - (sx / w) * (sy / w)) / var
+        intercept = sy / w - slope * sx / w
+        return (intercept, slope) if slope > 0 and intercept > 0 else None
