@@ -306,6 +306,9 @@ class SpeechService:
         max_len = sm.max_target_positions
         full = 17
         executor = SpeculativeExecutor(sm.decoder, drafters, num_slots, max_len, full_nodes=full)
+        # tree sizes from acceptance alone, never from measured times: a transcript (and a Kafka transcribe
+        # result, which must repeat exactly on redelivery) must not depend on how loaded the machine is
+        executor.cost_aware = False
         cross = sm.decoder.config
         enc_bytes = 2 * cross.decoder_layers * cross.d_model * 1500 * 4  # one window's cross-attention K/V
         self.runner = ModelRunner(name, executor, sm.tokenizer, (sm.tokens.eot,), max_len,
