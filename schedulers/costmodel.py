@@ -157,3 +157,51 @@ def get_profile(name: str) -> CostModel:
         return PROFILES[name]
     except KeyError:
         raise ValueError(f"unknown cost profile {name!r}; known: {sorted(PROFILES)}") from None
+
+
+class StepCostFit:
+    """Seconds of one model's forward as ``intercept + slope x tokens``: a least-squares line through its recent
+    steps, older ones forgotten by ``decay`` per step. The intercept is a step's fixed cost (weights read, drafts,
+    Python), the slope what each extra token costs (a prefill chunk, a tree node). Used by the QoS scheduler
+    (prefill seconds per token, mean step time) and by the executor (verify cost of tree nodes).
+
+    Args:
+        decay: weight of the previous step's sums (0.95: about the last 20 steps count).
+        min_var: least variance of the steps' token counts before a slope is trusted.
+    """
+
+    def __init__(self, decay: float = 0.95, min_var: float = 4.0):
+        self.decay = decay
+        self.min_var = min_var
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, sum x, sum y, sum x^2, sum x*y
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        w, sx, sy, sxx, sxy = (self.decay * v for v in self._sums)
+        self._sums = (w + 1, sx + tokens, sy + seconds, sxx + tokens * tokens, sxy + tokens * seconds)
+
+    def mean_s(self) -> float | None:
+        """Mean seconds of the recent steps; None before the first."""
+        w, _, sy, _, _ = self._sums
+        return sy / w if w > 0 else None
+
+    def slope(self) -> float | None:
+        """Seconds per token; None until the steps differ in size enough (``min_var``) or when not positive."""
+        w, sx, sy, sxx, sxy = self._sums
+        if w <= 0:
+            return None
+        var = sxx / w - (sx / w) ** 2
+        if var < self.min_var:
+            return None
+        slope = (sxy / w - (sx / w) * (sy / w)) / var
+        return slope if slope > 0 else None
+
+    def line(self) -> tuple[float, float] | None:
+        """(intercept, slope), both positive; None otherwise."""
+        slope = self.slope()
+        if slope is None:
+            return None
+        w, sx, sy, _, _ = self._sums
+        intercept = sy / w - slope * sx / w
+        return (intercept, slope) if intercept > 0 else None

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specstream.errors import CapacityError, InvalidRequestError, ModelNotLoadedError
+from specstream.schedulers.costmodel import StepCostFit
 from specstream.schedulers.metrics import SchedulerMetrics
 from specstream.schedulers.plan import (
     QOS_CLASSES,
@@ -303,7 +304,7 @@ class QosScheduler:
         self.last_plan: StepPlan | None = None
         #: per model: measured marginal forward seconds per token (:meth:`observe`)
         self.prefill_s_per_token: dict[str, float] = {}
-        self._fit: dict[str, tuple[float, float, float, float, float]] = {}
+        self._fit: dict[str, StepCostFit] = {}  # model -> its steps' seconds against their tokens
         self._deferred_since: dict[str, float] = {}  # model -> when its rows started waiting for realtime work
 
     # -- per model ------------------------------------------------------------------------------------------
@@ -594,7 +595,7 @@ class QosScheduler:
         """Mean seconds of ``model``'s recent steps (the same forgetting as the per-token fit); None until one
         step was observed."""
         fit = self._fit.get(model)
-        return fit[2] / fit[0] if fit and fit[0] > 0 else None
+        return fit.mean_s() if fit is not None else None
 
     def _prefill(self, ready: list[Request], nodes: dict[str, int], budget: float, reserve: float,
                  now: float, deferred: set[str] = frozenset()) -> tuple[list[PrefillWork], float]:
@@ -796,18 +797,10 @@ class QosScheduler:
         its recent steps (exponentially forgotten, weight ``OBSERVE_DECAY`` per step): a step's fixed cost (the
         weights read, the drafts, Python) is the intercept, so small chunks do not make tokens look costly. Read
         by ``realtime_prefill_budget_s``; unknown until the model's steps differ enough in size."""
-        if tokens <= 0 or seconds <= 0:
-            return
-        w, sx, sy, sxx, sxy = self._fit.get(model, (0.0, 0.0, 0.0, 0.0, 0.0))
-        d = OBSERVE_DECAY
-        w, sx, sy = d * w + 1, d * sx + tokens, d * sy + seconds
-        sxx, sxy = d * sxx + tokens * tokens, d * sxy + tokens * seconds
-        self._fit[model] = (w, sx, sy, sxx, sxy)
-        var = sxx / w - (sx / w) ** 2
-        if var < MIN_CHUNK ** 2 / 4:  # steps too alike in size to tell the per-token part from the fixed one
-            return
-        slope = (sxy / w - (sx / w) * (sy / w)) / var
-        if slope > 0:
+        fit = self._fit.setdefault(model, StepCostFit(OBSERVE_DECAY, MIN_CHUNK ** 2 / 4))
+        fit.observe(tokens, seconds)
+        slope = fit.slope()  # None while the steps are too alike in size to tell per-token from fixed cost
+        if slope is not None:
             self.prefill_s_per_token[model] = slope
 
     def update(self, output: StepOutput) -> list[Request]:

@@ -243,7 +243,7 @@ def test_adaptive_budget_shortens_a_costly_deep_tree_instead_of_switching_it_off
 
 
 def test_step_cost_fit_separates_a_steps_fixed_cost_from_its_per_token_cost():
-    from specstream.stages.speculative.drafters.base import StepCostFit
+    from specstream.schedulers.costmodel import StepCostFit
 
     fit = StepCostFit()
     fit.observe(5, 0.1 + 5 * 0.01)

@@ -42,7 +42,8 @@ from specstream.schedulers.plan import (
     StepOutput,
     StepPlan,
 )
-from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter, StepCostFit
+from specstream.schedulers.costmodel import StepCostFit
+from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
 from specstream.stages.speculative.logits import apply_logits_processors
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
 from specstream.stages.speculative.tree import CompiledTrees, TokenTree, ancestor_matrix, compile_trees

@@ -156,30 +156,3 @@ class AdaptiveBudget:
             return self.full_nodes
         return max(self.min_nodes, min(self.full_nodes, int(round(self.full_nodes * self.ema))))
 
-
-class StepCostFit:
-    """Seconds of a target forward as ``intercept + slope x tokens``: a least-squares line through recent steps,
-    older ones forgotten by ``decay`` per step (the per-token part is what extra tree nodes cost; on a CPU it is
-    a large share of a step, on a GPU a small one)."""
-
-    def __init__(self, decay: float = 0.95):
-        self.decay = decay
-        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
-            return
-        w, sx, sy, sxx, sxy = (self.decay * v for v in self._sums)
-        self._sums = (w + 1, sx + tokens, sy + seconds, sxx + tokens * tokens, sxy + tokens * seconds)
-
-    def line(self) -> tuple[float, float] | None:
-        """(intercept, slope) in seconds and seconds per token; None until the steps differ in size enough."""
-        w, sx, sy, sxx, sxy = self._sums
-        if w <= 0:
-            return None
-        var = sxx / w - (sx / w) ** 2
-        if var < 4.0:  # token counts within about +-2 of each other: the slope is noise
-            return None
-        slope = (sxy / w - (sx / w) * (sy / w)) / var
-        intercept = sy / w - slope * sx / w
-        return (intercept, slope) if slope > 0 and intercept > 0 else None
