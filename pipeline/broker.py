@@ -134,3 +134,21 @@ class InProcessBroker(Broker):
     async def close(self):
         for topic in list(self._queues):
             await self.close_topic(topic)
+
+
+async def consume(broker: "Broker", topic: str, sem: asyncio.Semaphore, handle) -> None:
+    """Run ``await handle(msg)`` for every message of ``topic``, at most as many at once as ``sem`` allows, and
+    wait for them when the subscription ends. If this task is cancelled (shutdown past the drain timeout), the
+    handlers still running are cancelled too: their messages stay uncommitted and are redelivered."""
+    tasks: set[asyncio.Task] = set()
+    try:
+        async for msg in broker.subscribe(topic):
+            await sem.acquire()
+            task = asyncio.create_task(handle(msg))
+            tasks.add(task)
+            task.add_done_callback(lambda t: (tasks.discard(t), sem.release()))
+        if tasks:
+            await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()

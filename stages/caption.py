@@ -35,7 +35,7 @@ from specstream.errors import (
     UnsupportedTaskError,
 )
 from specstream.modalities.source import open_source
-from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, Broker, Message
+from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, Broker, Message, consume
 from specstream.pipeline.messages import CaptionParams, ErrorInfo, PipelineRequest, PipelineResult
 from specstream.schedulers.plan import Request
 
@@ -193,18 +193,7 @@ class KeyframeStage:
         self.keyframes = 0
 
     async def run(self) -> None:
-        tasks = set()
-        try:
-            async for msg in self.broker.subscribe(TOPIC_REQUESTS):
-                await self.sem.acquire()
-                task = asyncio.create_task(self._handle_message(msg))
-                tasks.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), self.sem.release()))
-            if tasks:
-                await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:  # cancelled (shutdown past the drain timeout): their requests stay uncommitted
-                task.cancel()
+        await consume(self.broker, TOPIC_REQUESTS, self.sem, self._handle_message)
 
     async def _handle_message(self, msg: Message) -> None:
         req: PipelineRequest = msg.value

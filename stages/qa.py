@@ -44,7 +44,7 @@ from specstream.errors import (
     UnsupportedMediaError,
     UnsupportedTaskError,
 )
-from specstream.pipeline.broker import TOPIC_REQUESTS, TOPIC_RESULTS, Broker, Message
+from specstream.pipeline.broker import TOPIC_REQUESTS, TOPIC_RESULTS, Broker, Message, consume
 from specstream.pipeline.messages import (
     ErrorInfo,
     GenerateParams,
@@ -123,18 +123,7 @@ class QaStage:
                       "keyframes_s": 0.0, "transcription_s": 0.0, "embedding_s": 0.0, "decode_s": 0.0}
 
     async def run(self) -> None:
-        tasks: set[asyncio.Task] = set()
-        try:
-            async for msg in self.broker.subscribe(TOPIC_REQUESTS):
-                await self.sem.acquire()
-                task = asyncio.create_task(self._handle_message(msg))
-                tasks.add(task)
-                task.add_done_callback(lambda t: (tasks.discard(t), self.sem.release()))
-            if tasks:
-                await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:  # cancelled (shutdown past the drain timeout): left uncommitted, redelivered
-                task.cancel()
+        await consume(self.broker, TOPIC_REQUESTS, self.sem, self._handle_message)
 
     async def _handle_message(self, msg: Message) -> None:
         req: PipelineRequest = msg.value
@@ -200,29 +189,21 @@ class QaStage:
 
     # -- dispatch -----------------------------------------------------------------------------------------------------
     async def _handle(self, req: PipelineRequest, published: set[int]) -> None:
-        if req.task == "video_qa":
-            try:
-                params = QaParams(**req.params)
-            except Exception as exc:
-                raise SchemaViolationError(f"params: {exc}") from None
-            await self._video_qa(req, params, published)
-        elif req.task == "transcribe":
-            try:
-                tparams = TranscribeParams(**req.params)
-            except Exception as exc:
-                raise SchemaViolationError(f"params: {exc}") from None
-            await self._transcribe(req, tparams)
-            published.add(0)
-        elif req.task == "generate":
-            try:
-                gparams = GenerateParams(**req.params)
-            except Exception as exc:
-                raise SchemaViolationError(f"params: {exc}") from None
-            await self._generate(req, gparams)
-            published.add(0)
-        else:
+        tasks = {"video_qa": (QaParams, self._video_qa), "transcribe": (TranscribeParams, self._transcribe),
+                 "generate": (GenerateParams, self._generate)}
+        if req.task not in tasks:
             raise UnsupportedTaskError(f"task {req.task!r} is not served by this stage (served: "
                                        f"{', '.join(QA_TASKS)})")
+        schema, run = tasks[req.task]
+        try:
+            params = schema(**req.params)
+        except Exception as exc:
+            raise SchemaViolationError(f"params: {exc}") from None
+        if req.task == "video_qa":
+            await run(req, params, published)  # one result per question, booked as each is published
+        else:
+            await run(req, params)
+            published.add(0)
 
     async def _open(self, req: PipelineRequest):
         """(opened source, its display name, temporary file or None)."""
