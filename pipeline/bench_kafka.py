@@ -119,21 +119,12 @@ def bench_kafka_main(argv: list[str]) -> int:
     target, draft = default_caption_models()
     captioner = Captioner(target, [str(draft)])
     paths = _inputs(args.requests)
-    tansu = None
-    if args.broker:
-        bootstrap = args.broker.removeprefix("kafka://")
-    else:
-        from specstream.pipeline.tansu import TansuBroker
+    from specstream.pipeline.tansu import kafka_bootstrap
 
-        tansu = TansuBroker()
-        bootstrap = tansu.bootstrap
-    try:
+    with kafka_bootstrap(args.broker) as bootstrap:
         asyncio.run(_embedded(paths[:2], captioner, args.max_new_tokens))  # warm-up (first-call costs)
         emb = _summary("embedded", len(paths), asyncio.run(_embedded(paths, captioner, args.max_new_tokens)))
         kaf = _summary("kafka", len(paths), asyncio.run(_kafka(paths, captioner, args.max_new_tokens, bootstrap)))
-    finally:
-        if tansu is not None:
-            tansu.stop()
     out = {"embedded": emb, "kafka": kaf,
            "ratio_requests_per_s": round(kaf["requests_per_s"] / emb["requests_per_s"], 3),
            "ratio_latency_p50": round(kaf["latency_p50_s"] / emb["latency_p50_s"], 3),

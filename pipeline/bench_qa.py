@@ -199,21 +199,12 @@ def bench_qa_main(argv: list[str]) -> int:
             rec.pop("answers", None)
         counts = [int(x) for x in args.workers.split(",") if x.strip() and int(x) > 0]
         if counts:
-            tansu = None
-            if args.broker:
-                bootstrap = args.broker.removeprefix("kafka://")
-            else:
-                from specstream.pipeline.tansu import TansuBroker
+            from specstream.pipeline.tansu import kafka_bootstrap
 
-                tansu = TansuBroker()
-                bootstrap = tansu.bootstrap
-            try:
+            with kafka_bootstrap(args.broker) as bootstrap:
                 warmup = write_manifest(work / "warmup.jsonl", 1, copies=max(counts))
                 for n in counts:
                     res["kafka"].append(kafka(args, manifest, warmup, work, n, bootstrap))
-            finally:
-                if tansu is not None:
-                    tansu.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,8 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -65,3 +67,17 @@ class TansuBroker:
 
 def external_bootstrap() -> str | None:
     return os.environ.get("SPECSTREAM_KAFKA_BOOTSTRAP") or None
+
+
+@contextmanager
+def kafka_bootstrap(broker: str | None) -> Iterator[str]:
+    """``HOST:PORT`` of ``broker`` (``kafka://HOST:PORT``), or of a local in-memory tansu started for the block
+    and stopped after it when ``broker`` is None (the benchmarks' default)."""
+    if broker:
+        yield broker.removeprefix("kafka://")
+        return
+    tansu = TansuBroker()
+    try:
+        yield tansu.bootstrap
+    finally:
+        tansu.stop()
