@@ -78,7 +78,7 @@ def _run(inputs, buf, target, drafts, max_new_tokens, kw):
     drafts = [d for d in drafts if d != "none"]
     tree = kw.pop("tree", "1,1,3,1,1,1,1,1")
     cap = Captioner(target, drafts, TreeSpec.parse(tree), temporal=kw["temporal"], visual_aware=kw["visual_aware"])
-    return asyncio.run(run_caption_graph(expand_inputs(inputs), cap, buf, "Describe this image.", max_new_tokens,
+    return asyncio.run(run_caption_graph(expand_inputs(inputs)[0], cap, buf, "Describe this image.", max_new_tokens,
                                          None, None))
 
 

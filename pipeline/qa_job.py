@@ -290,10 +290,12 @@ class QaSummary:
     def line(self) -> str:
         from specstream.pipeline.caption_job import count
 
+        head = f"{count(self.questions, 'question')} of {count(self.videos, 'video')}: "
+        if self.answered + self.failed == 0:  # a rerun with every question answered: no rate, no tau to show
+            return head + f"nothing to do, {self.skipped} already answered"
         qpm = 60.0 * (self.answered + self.failed) / self.seconds if self.seconds else 0.0
-        return (f"{count(self.questions, 'question')} of {count(self.videos, 'video')}: {self.answered} answered, "
-                f"{self.failed} failed, {self.skipped} already answered; {self.seconds:.1f} s "
-                f"({qpm:.1f} questions/min), tau {self.tau:.2f}")
+        return (head + f"{self.answered} answered, {self.failed} failed, {self.skipped} already answered; "
+                f"{self.seconds:.1f} s ({qpm:.1f} questions/min), tau {self.tau:.2f}")
 
 
 def plan(entries: list[ManifestEntry], answers: AnswerFile, options: QaOptions, tag: str):

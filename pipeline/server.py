@@ -527,7 +527,8 @@ class AppState:
                 target, drafts = self.settings.caption_target, []
                 try:
                     if target is None:
-                        target, default_draft = default_caption_models()
+                        target, default_draft = default_caption_models(
+                            flags=("--caption-target", "--caption-draft"))
                         drafts = [str(default_draft)]
                     elif self.settings.caption_draft:
                         drafts = [self.settings.caption_draft]

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from specstream.errors import InvalidRequestError, SpecstreamError, error_line
+from specstream.errors import InvalidRequestError, SpecstreamError, UnreadableSourceError, error_line
 
 EXIT_INPUT_ERROR = 2
 
@@ -80,8 +80,10 @@ def _add_generate(sub) -> None:
 def _read_prompt_ids_file(path: Path) -> list[list[int]]:
     try:
         lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise InvalidRequestError(f"--prompt-ids-file: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:  # the same fault as caption's missing input: unreadable_source
+        raise UnreadableSourceError(f"--prompt-ids-file {path}: {exc.strerror or exc}"
+                                    if isinstance(exc, OSError) else f"--prompt-ids-file {path}: not UTF-8 text"
+                                    ) from None
     prompts = []
     for n, line in enumerate(lines, 1):
         if line.strip():
@@ -179,6 +181,8 @@ def cmd_generate(args) -> int:
         record = {"tokens": req.output_ids, "finish_reason": req.finish_reason,
                   "stats": {k: v for k, v in req.stats.to_dict().items()
                             if k in ("target_steps", "accepted_per_step", "mean_accepted", "tau")}}
+        # target_steps = prefill_steps + len(accepted_per_step): the prefill forward verifies no draft
+        record["stats"]["prefill_steps"] = req.stats.prefill_steps
         if req.error:
             record["error"] = req.error
         if engine.tokenizer is not None and args.prompt is not None:

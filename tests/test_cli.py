@@ -25,11 +25,14 @@ def test_generate_json_contract_and_exactness(tiny, hf_target):
     assert len(out) == 1
     rec = json.loads(out[0])
     assert set(rec) == {"tokens", "finish_reason", "stats"}
-    assert set(rec["stats"]) == {"target_steps", "accepted_per_step", "mean_accepted", "tau", "decode_s"}
+    assert set(rec["stats"]) == {"target_steps", "prefill_steps", "accepted_per_step", "mean_accepted", "tau",
+                                 "decode_s"}
     assert 0 < rec["stats"]["decode_s"] < 300
     assert rec["tokens"] == hf_greedy(hf_target, [5, 6, 7, 8, 5, 6], 12)
     assert rec["finish_reason"] == "length"
-    assert len(rec["stats"]["accepted_per_step"]) == rec["stats"]["target_steps"] - 1
+    # one prefill forward (it commits the first token, verifies no draft), then one entry per verify step
+    assert rec["stats"]["prefill_steps"] == 1
+    assert len(rec["stats"]["accepted_per_step"]) == rec["stats"]["target_steps"] - rec["stats"]["prefill_steps"]
     assert rec["stats"]["tau"] == round(12 / rec["stats"]["target_steps"], 6)
 
 

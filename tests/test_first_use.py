@@ -117,8 +117,9 @@ def test_media_recognised_by_content(tmp_path, src, clips):
                      "anim": "video", "empty.mp4": "video"}
     with pytest.raises(UnsupportedMediaError, match="neither an image nor a video"):
         media_kind(str(d / "notes.txt"))
-    assert [Path(p).name for p in expand_inputs([str(d)])] == ["anim", "clip", "clip.png", "empty.mp4", "photo",
-                                                              "rocket.bin"]
+    files, skipped = expand_inputs([str(d)])
+    assert [Path(p).name for p in files] == ["anim", "clip", "clip.png", "empty.mp4", "photo", "rocket.bin"]
+    assert [Path(p).name for p in skipped] == ["notes.txt"]
 
 
 def test_upload_without_extension_is_recognised_by_content(src):
