@@ -501,10 +501,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "`specstream worker` processes (topics from SPECSTREAM_KAFKA_*)")
     p.add_argument("--max-frames", type=int, default=4, help="frames shown per question (default 4)")
     p.add_argument("--max-visual-tokens", type=int, default=None, help="visual tokens per question, at most")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--max-transcript-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer at most (default 32)")
+    p.add_argument("--max-transcript-tokens", type=int, default=256,
+                   help="transcript tokens shown per question, at most (default 256)")
     p.add_argument("--no-transcript", action="store_true", help="do not show the transcript")
-    p.add_argument("--max-keyframes-per-minute", type=float, default=None)
+    p.add_argument("--max-keyframes-per-minute", type=float, default=None,
+                   help="cap on the keyframes kept per minute of video (default: no cap)")
     p.add_argument("--target", help="VLM checkpoint (default: the built-in tiny model, untrained)")
     p.add_argument("--draft", action="append", default=[], help="draft checkpoint of the VLM (repeatable)")
     p.add_argument("--text-model", help="answer from the transcript with this text model (dir or hub id)")
@@ -515,12 +517,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-pretrained", help="local weights file of --clip-model")
     p.add_argument("--no-ngram", action="store_true", help="no n-gram drafting over the prompt")
     p.add_argument("--concurrency", type=int, default=2, help="videos in flight (embedded)")
-    p.add_argument("--num-slots", type=int, default=8)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-slots", type=int, default=8, help="answers decoded together in one batch (default 8)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weight precision of the models (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (default cpu)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="--broker: give up after this long without a "
                                                                   "result (default 600)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (drawn only on a terminal)")
     return p
 
 

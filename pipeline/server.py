@@ -942,7 +942,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(SPECSTREAM_CLIP_MODEL)")
     parser.add_argument("--clip-pretrained", default=None, help="local weights of --clip-model "
                                                                 "(SPECSTREAM_CLIP_PRETRAINED)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info",
+                        help="uvicorn log level: debug, info, warning, error (default info)")
     return parser
 
 

@@ -891,8 +891,9 @@ def transcribe_main(argv: list[str]) -> int:
     parser.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="draft source (default ngram)")
     parser.add_argument("--no-speculate", action="store_true", help="plain decoding, one token per decoder step")
     parser.add_argument("--batch-size", type=int, default=4, help="windows decoded together (--without-timestamps)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (default cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="precision of the Whisper weights (default float32)")
     parser.add_argument("--stats", action="store_true", help="print transcription info as JSON on stderr")
     try:
         args = parser.parse_args(argv)
