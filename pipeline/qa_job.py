@@ -339,12 +339,14 @@ def _line(res, entry: ManifestEntry, qids: list[str]) -> dict[str, Any]:
 
 
 async def run_qa(manifest: str, out_path: str, options: QaOptions, hub=None, kafka=None, progress=None,
-                 concurrency: int = 2, timeout_s: float = 600.0) -> QaSummary:
+                 concurrency: int = 2, timeout_s: float = 600.0, make_hub=None) -> QaSummary:
     """Answer the manifest's questions into ``out_path`` (see the module docstring).
 
     Args:
         hub: a :class:`~specstream.stages.serving.ModelHub` (embedded); or ``kafka``: ``KafkaSettings`` (the
             workers answer, this process collects).
+        make_hub: instead of ``hub``, a zero-argument function that makes it, called only when some question is
+            left to answer (a rerun with nothing to do builds no model).
         progress: a tqdm bar (its total is set here) or None.
         timeout_s: Kafka only: give up when no result arrived for this long.
 
@@ -392,6 +394,8 @@ async def run_qa(manifest: str, out_path: str, options: QaOptions, hub=None, kaf
             if kafka is not None:
                 await _collect_kafka(kafka, requests, index, on_result, timeout_s)
             else:
+                if hub is None:
+                    hub = make_hub()
                 summary.stage = await _run_embedded(hub, requests, index, on_result, concurrency)
     finally:
         summary.seconds = time.perf_counter() - t0
@@ -562,7 +566,7 @@ def qa_main(argv: list[str]) -> int:
                         max_new_tokens=args.max_new_tokens, max_transcript_tokens=args.max_transcript_tokens,
                         use_transcript=not args.no_transcript, answer_with="text" if args.text_model else "vlm",
                         max_keyframes_per_minute=args.max_keyframes_per_minute)
-    hub = kafka = None
+    make_hub = kafka = None
     if args.broker:
         from specstream.pipeline.kafka import KafkaSettings
 
@@ -572,15 +576,16 @@ def qa_main(argv: list[str]) -> int:
     else:
         from specstream.stages.serving import ModelHub
 
-        hub = ModelHub(hub_config_from_args(args))
+        def make_hub():  # only when a question is left (a rerun with nothing to do builds no model)
+            return ModelHub(hub_config_from_args(args))
     progress = None
     if not args.no_progress and sys.stderr.isatty():
         from tqdm import tqdm
 
         progress = tqdm(total=0, desc="answering", unit=" question", file=sys.stderr)
     try:
-        summary = asyncio.run(run_qa(args.manifest, args.out, options, hub=hub, kafka=kafka, progress=progress,
-                                     concurrency=args.concurrency, timeout_s=args.timeout_s))
+        summary = asyncio.run(run_qa(args.manifest, args.out, options, kafka=kafka, progress=progress,
+                                     concurrency=args.concurrency, timeout_s=args.timeout_s, make_hub=make_hub))
     finally:
         if progress is not None:
             progress.close()

@@ -96,6 +96,7 @@ def test_clear_errors_and_exit_codes(tiny, tmp_path):
 
 @pytest.mark.parametrize("content", ["[1, 2]\n[1, 2\n", "[1, 2]\n[true, 2]\n", "[1, 2]\n{\"ids\": [1]}\n", None])
 def test_bad_prompt_ids_file_is_a_clear_error(tiny, tmp_path, capsys, content):
+    """A malformed file is ``invalid_request``; a missing one ``unreadable_source`` (as on every command)."""
     from specstream.cli import main
 
     path = tmp_path / "p.jsonl"
@@ -104,7 +105,10 @@ def test_bad_prompt_ids_file_is_a_clear_error(tiny, tmp_path, capsys, content):
     assert main(["generate", "--target", str(tiny.target), "--prompt-ids-file", str(path), "--max-new-tokens",
                  "2", "--json"]) == 2
     err = capsys.readouterr().err
-    assert "invalid_request" in err and ("p.jsonl:2" in err if content else "No such file" in err)
+    if content:
+        assert "invalid_request" in err and "p.jsonl:2" in err
+    else:
+        assert "unreadable_source" in err and "No such file" in err
 
 
 def test_serve_rejects_bad_settings_with_a_clear_message(capsys, monkeypatch):
@@ -139,6 +143,8 @@ def test_caption_prompt_longer_than_the_context_ends_as_error_records(tmp_path, 
     assert {r["error"]["code"] for r in records} == {"context_length_exceeded"}
     assert "captioning: 100%" in err and "| 2/2 [" in err and " input/s" in err and "failed=2" in err
     assert "2 inputs (2 failed): 2 frames decoded, 2 keyframes, 0 captions, 0 tokens in" in err
+    for source in (src["astronaut"], src["rocket"]):  # each failure named on stderr (before: only the counts)
+        assert f"\nfailed {source} [context_length_exceeded]: " in err, err
     one = CaptionJobSummary(inputs=1, frames_decoded=1, keyframes=1, captions=1, tokens=1, target_steps=1,
                             seconds=1.0).line()
     assert one.startswith("1 input (0 failed): 1 frame decoded, 1 keyframe, 1 caption, 1 token in 1.0 s")
