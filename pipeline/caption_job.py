@@ -270,7 +270,8 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
 
             # a bar over the inputs (their keyframe counts are not known ahead): "captioning: 50%|... | 1/2 [...]"
             progress = tqdm(total=len(files), desc="captioning", unit=" input", file=sys.stderr)
-            report = progress.write  # a line above the bar, not through it
+            def report(line: str) -> None:  # a line above the bar, not through it (tqdm.write: stdout unless told)
+                progress.write(line, file=sys.stderr)
         summary = asyncio.run(run_caption_graph(files, captioner, out, prompt, max_new_tokens,
                                                 max_keyframes_per_minute,
                                                 Path(attention_maps) if attention_maps else None, progress=progress,

@@ -143,8 +143,9 @@ def test_caption_prompt_longer_than_the_context_ends_as_error_records(tmp_path, 
     assert {r["error"]["code"] for r in records} == {"context_length_exceeded"}
     assert "captioning: 100%" in err and "| 2/2 [" in err and " input/s" in err and "failed=2" in err
     assert "2 inputs (2 failed): 2 frames decoded, 2 keyframes, 0 captions, 0 tokens in" in err
+    shown = [seg.strip() for seg in err.replace("\r", "\n").splitlines()]  # the bar redraws with \r
     for source in (src["astronaut"], src["rocket"]):  # each failure named on stderr (before: only the counts)
-        assert f"\nfailed {source} [context_length_exceeded]: " in err, err
+        assert any(s.startswith(f"failed {source} [context_length_exceeded]: prompt of ") for s in shown), err
     one = CaptionJobSummary(inputs=1, frames_decoded=1, keyframes=1, captions=1, tokens=1, target_steps=1,
                             seconds=1.0).line()
     assert one.startswith("1 input (0 failed): 1 frame decoded, 1 keyframe, 1 caption, 1 token in 1.0 s")
