@@ -241,7 +241,10 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
     if out_path not in (None, "-"):
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)  # before the models load, not after the work
     out = sys.stdout if out_path in (None, "-") else open(out_path, "w")
-    report = lambda line: print(line, file=sys.stderr)  # noqa: E731
+
+    def report(line: str) -> None:  # a failed input, named on stderr
+        print(line, file=sys.stderr)
+
     if len(failed_early) == len(files):
         try:
             summary = CaptionJobSummary(inputs=len(files), failed_inputs=len(files), skipped=len(skipped))
