@@ -250,8 +250,8 @@ class RealtimeTranscriptionSession(SubtitleSession):
         open_item = self.items[-1]
         if not open_item.samples and not open_item.committed:  # the open item is still empty: new settings now
             open_item.recognizer.config = self.config
-        if cfg.turn_detection is None:
-            self._in_speech = False
+        if cfg.turn_detection is None:  # off: the detector restarts (aligned anew) if it is turned on again
+            self._in_speech, self._turn_vad = False, None
         self._event("transcription_session.updated", session=self._session_object())
 
     def _append(self, data: dict) -> None:
@@ -285,12 +285,12 @@ class RealtimeTranscriptionSession(SubtitleSession):
 
     def _commit(self, data: dict) -> None:
         item = self.items[-1]
-        self._flush_decoder()
+        self._flush_decoder()  # all audio received so far belongs to the item; the resampler starts afresh
+        self.decoder = PcmDecoder(self.cfg.sample_rate, "pcm_s16le")
         if item.samples < MIN_COMMIT_S * SAMPLE_RATE:
             raise RealtimeEventError("input_audio_buffer_commit_empty", f"buffer too small: at least "
                                      f"{int(MIN_COMMIT_S * 1000)} ms of audio are needed, the buffer holds "
                                      f"{item.samples * 1000 / SAMPLE_RATE:.0f} ms")
-        self.decoder = PcmDecoder(self.cfg.sample_rate, "pcm_s16le")
         self._close_item()
         self._in_speech = False
 

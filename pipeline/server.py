@@ -5,6 +5,7 @@ or, for the WebSocket, the subprotocol ``specstream.key.<base64url(KEY)>``; ``do
 its limits):
 
 - ``WS /v1/subtitles`` -- live subtitles (protocol and close codes in ``docs/streaming.md``);
+- ``WS /v1/realtime?intent=transcription`` -- OpenAI's realtime transcription protocol (``pipeline/realtime.py``);
 - ``POST /v1/captions`` -- caption an uploaded image/video, or a ``source_uri`` under ``allowed_roots``; returns
   the ``caption`` command's records (same stage graph);
 - ``GET /healthz`` (process up), ``GET /readyz`` (speech model loaded; every model's state), ``GET /metrics``
