@@ -132,6 +132,8 @@ class RealtimeTranscriptionSession(SubtitleSession):
     client events into audio for the items' recognizers and their subtitles into OpenAI's events.
     """
 
+    log_name = "realtime session"
+
     def __init__(self, ws, app_state, model_id: str):
         super().__init__(ws, app_state)
         self.model_id = model_id
@@ -141,6 +143,7 @@ class RealtimeTranscriptionSession(SubtitleSession):
         self.items: deque[_Item] = deque()
         self.last_committed: str | None = None
         self.total = 0  # 16 kHz samples received in the session (after resampling)
+        self.finals_sent = 0
         self._turn_vad = None  # the session's turn detector (server_vad), made on the first audio
         self._vad_start = 0  # session sample of its frame 0
         self._vad_seen = 0  # turn-detection frames examined
@@ -152,6 +155,9 @@ class RealtimeTranscriptionSession(SubtitleSession):
     def _open_stream(self):
         self.decoder = PcmDecoder(self.cfg.sample_rate, "pcm_s16le")
         return self._new_item().recognizer
+
+    def _totals(self) -> tuple[float, int]:
+        return self.total / SAMPLE_RATE, self.finals_sent
 
     def _backlog_s(self) -> float:
         return sum(it.recognizer.backlog_s for it in self.items if not it.cleared)
@@ -431,6 +437,7 @@ class RealtimeTranscriptionSession(SubtitleSession):
             if sub.kind != "final" or not sub.text.strip() or item.cleared:
                 continue
             self.state.metrics.finals.inc()
+            self.finals_sent += 1
             self.state.metrics.latency.observe((sub.latency_ms or 0.0) / 1000.0)
             delta = (" " if item.parts else "") + sub.text.strip()
             item.parts.append(delta)

@@ -216,6 +216,8 @@ class SubtitleSession:
     - Every close is logged with its code and reason (1011 with the exception's traceback).
     """
 
+    log_name = "subtitle session"  # how the close line names the session
+
     def __init__(self, ws, app_state: "AppState"):
         self.ws = ws
         self.state = app_state
@@ -259,15 +261,18 @@ class SubtitleSession:
             await asyncio.gather(worker, sender, return_exceptions=True)
         code, reason = (self.closed.code, self.closed.reason) if self.closed else (CLOSE_NORMAL, "done")
         self.state.metrics.closed.labels(str(code)).inc()
-        rec = self.recognizer
         level = logging.INFO if code in (CLOSE_NORMAL, 1000, 1001, 1005, 1006) else (
             logging.ERROR if code == CLOSE_INTERNAL else logging.WARNING)
-        log.log(level, "subtitle session %s closed %d (%s) after %.1f s of audio, %d finals", self.peer, code,
-                reason, rec.audio_end_s, len(rec.finals))
+        log.log(level, "%s %s closed %d (%s) after %.1f s of audio, %d finals", self.log_name, self.peer, code,
+                reason, *self._totals())
         try:
             await asyncio.wait_for(self.ws.close(code, reason), 2.0)
         except Exception:
             pass
+
+    def _totals(self) -> tuple[float, int]:
+        """(seconds of audio received, finals sent) for the close line."""
+        return self.recognizer.audio_end_s, len(self.recognizer.finals)
 
     def _open_stream(self):
         """The recognizer the session starts with (a subclass may keep several)."""
