@@ -290,9 +290,9 @@ class RealtimeTranscriptionSession(SubtitleSession):
         self._feed(x)
 
     def _commit(self, data: dict) -> None:
-        item = self.items[-1]
         self._flush_decoder()  # all audio received so far belongs to the item; the resampler starts afresh
         self.decoder = PcmDecoder(self.cfg.sample_rate, "pcm_s16le")
+        item = self.items[-1]  # (the flushed tail may have ended a server_vad turn)
         if item.samples < MIN_COMMIT_S * SAMPLE_RATE:
             raise RealtimeEventError("input_audio_buffer_commit_empty", f"buffer too small: at least "
                                      f"{int(MIN_COMMIT_S * 1000)} ms of audio are needed, the buffer holds "
