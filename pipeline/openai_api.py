@@ -716,6 +716,7 @@ async def _transcription(request: Request, state: OpenAIState) -> Response:
                          "timestamp_granularities")
         language = form.get("language") or None
         prompt = form.get("prompt") or None
+        stream = _stream_flag(form.get("stream"), fmt)
         shown = upload_display_name(upload.filename)
         tmpdir = tempfile.mkdtemp(prefix="specstream-upload-")
         path = os.path.join(tmpdir, "upload" + _media_suffix(shown))  # no part of the client's name
@@ -742,7 +743,34 @@ async def _transcription(request: Request, state: OpenAIState) -> Response:
         await form.close()
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
+    if stream:
+        return StreamingResponse(_transcription_events(tr), media_type="text/event-stream")
     return _transcription_response(tr, fmt, grains)
+
+
+def _stream_flag(value, fmt: str) -> bool:
+    """The form field ``stream`` (``true``/``false``); a stream carries text, so only ``json``/``text`` formats.
+
+    Raises:
+        InvalidRequestError (param ``stream``): another value, or a stream asked with a timed format."""
+    if value in (None, "", "false", "False"):
+        return False
+    if value not in ("true", "True"):
+        raise _param(InvalidRequestError("stream must be true or false"), "stream")
+    if fmt not in ("json", "text"):
+        raise _param(InvalidRequestError(f"stream=true gives text events; response_format {fmt!r} cannot be "
+                                         "streamed"), "stream")
+    return True
+
+
+async def _transcription_events(tr):
+    """OpenAI's transcription stream: one ``transcript.text.delta`` per segment (the deltas concatenate to the
+    text), then ``transcript.text.done`` with the whole text. The speech path returns the segments of a file
+    together, so the deltas all come once the file is decoded."""
+    parts = [s.text.strip() for s in tr.segments if s.text.strip()]
+    for i, text in enumerate(parts):
+        yield _sse({"type": "transcript.text.delta", "delta": (" " if i else "") + text})
+    yield _sse({"type": "transcript.text.done", "text": tr.text})
 
 
 def _transcription_response(tr, fmt: str, grains: set[str]) -> Response:

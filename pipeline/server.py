@@ -5,6 +5,7 @@ or, for the WebSocket, the subprotocol ``specstream.key.<base64url(KEY)>``; ``do
 its limits):
 
 - ``WS /v1/subtitles`` -- live subtitles (protocol and close codes in ``docs/streaming.md``);
+- ``WS /v1/realtime?intent=transcription`` -- OpenAI's realtime transcription protocol (``pipeline/realtime.py``);
 - ``POST /v1/captions`` -- caption an uploaded image/video, or a ``source_uri`` under ``allowed_roots``; returns
   the ``caption`` command's records (same stage graph);
 - ``GET /healthz`` (process up), ``GET /readyz`` (speech model loaded; every model's state), ``GET /metrics``
@@ -86,6 +87,9 @@ class ServerSettings(BaseSettings):
         chat_video_frames: keyframes a chat ``video_url`` contributes, at most.
         speech_slots: KV cache slots of the Whisper runner (subtitle windows decoded at once).
         min_hop_s: least audio between decoding passes of a stream.
+        realtime_max_append_bytes: decoded audio bytes one ``input_audio_buffer.append`` event of ``/v1/realtime``
+            may carry (more: OpenAI's ``error`` event, nothing of it used); its base64 frame must also fit
+            ``max_frame_bytes``.
         agree_span_s: the commit policy's agreement span (``StreamConfig.agree_span_s``): 0 (default) commits a
             complete segment once two consecutive passes agree on it (LocalAgreement-2); longer spans wait for that
             much more audio (see the table in ``docs/benchmarks.md``).
@@ -120,6 +124,7 @@ class ServerSettings(BaseSettings):
     speech_slots: int = 16
     min_hop_s: float = Field(0.5, gt=0.0)
     agree_span_s: float = Field(0.0, ge=0.0)
+    realtime_max_append_bytes: int = Field(128 * 1024, ge=1024)
 
 
 class StartMessage(BaseModel):
@@ -211,6 +216,8 @@ class SubtitleSession:
     - Every close is logged with its code and reason (1011 with the exception's traceback).
     """
 
+    log_name = "subtitle session"  # how the close line names the session
+
     def __init__(self, ws, app_state: "AppState"):
         self.ws = ws
         self.state = app_state
@@ -227,11 +234,11 @@ class SubtitleSession:
         self.peer = "%s:%s" % tuple(ws.client) if getattr(ws, "client", None) else "?"
 
     async def run(self) -> None:
-        from specstream.stages.streaming import StreamConfig, StreamingRecognizer
+        from specstream.stages.streaming import StreamConfig
 
         s = self.settings
         self.config = StreamConfig(hop_s=s.min_hop_s, agree_span_s=s.agree_span_s)
-        self.recognizer = StreamingRecognizer(self.state.speech, self.config)
+        self.recognizer = self._open_stream()
         sender = asyncio.create_task(self._sender())
         worker = asyncio.create_task(self._worker())
         self._receiver_task = asyncio.create_task(self._receiver(worker))
@@ -254,15 +261,28 @@ class SubtitleSession:
             await asyncio.gather(worker, sender, return_exceptions=True)
         code, reason = (self.closed.code, self.closed.reason) if self.closed else (CLOSE_NORMAL, "done")
         self.state.metrics.closed.labels(str(code)).inc()
-        rec = self.recognizer
         level = logging.INFO if code in (CLOSE_NORMAL, 1000, 1001, 1005, 1006) else (
             logging.ERROR if code == CLOSE_INTERNAL else logging.WARNING)
-        log.log(level, "subtitle session %s closed %d (%s) after %.1f s of audio, %d finals", self.peer, code,
-                reason, rec.audio_end_s, len(rec.finals))
+        log.log(level, "%s %s closed %d (%s) after %.1f s of audio, %d finals", self.log_name, self.peer, code,
+                reason, *self._totals())
         try:
             await asyncio.wait_for(self.ws.close(code, reason), 2.0)
         except Exception:
             pass
+
+    def _totals(self) -> tuple[float, int]:
+        """(seconds of audio received, finals sent) for the close line."""
+        return self.recognizer.audio_end_s, len(self.recognizer.finals)
+
+    def _open_stream(self):
+        """The recognizer the session starts with (a subclass may keep several)."""
+        from specstream.stages.streaming import StreamingRecognizer
+
+        return StreamingRecognizer(self.state.speech, self.config)
+
+    def _backlog_s(self) -> float:
+        """Seconds of received audio no pass has reached yet (at ``max_backlog_s`` the socket is not read)."""
+        return self.recognizer.backlog_s
 
     def _due(self) -> bool:
         """The server owes the client work: a pass is running or due, or the stream is being finished."""
@@ -280,7 +300,7 @@ class SubtitleSession:
                 now = time.monotonic()
                 if now >= t_end:
                     raise _Closed(CLOSE_POLICY, "session too long")
-                if recv is None and not self.stopping and self.recognizer.backlog_s >= self.config.max_backlog_s:
+                if recv is None and not self.stopping and self._backlog_s() >= self.config.max_backlog_s:
                     t0 = time.monotonic()  # backpressure: leave the socket unread until the backlog shrinks
                     self.progress.clear()
                     waiter = asyncio.ensure_future(self.progress.wait())
@@ -550,6 +570,9 @@ def _load_speech_model(path: str | None):
 
 SUBPROTOCOL = "specstream"  # the WebSocket subprotocol the server selects when a client offers it
 KEY_SUBPROTOCOL_PREFIX = "specstream.key."  # + base64url(API key), unpadded: how a browser sends a key
+OPENAI_SUBPROTOCOL = "realtime"  # what OpenAI's browser clients offer on /v1/realtime (selected when offered)
+OPENAI_KEY_SUBPROTOCOL_PREFIX = "openai-insecure-api-key."  # + the key as it is: OpenAI's browser key subprotocol
+NO_QUERY_KEY_PATHS = ("/v1/realtime",)  # routes that take a key by header or subprotocol only, never ?token=
 
 
 def _given_keys(headers: dict[bytes, bytes], query: str, subprotocols: list[str] | None = None) -> list[str]:
@@ -570,6 +593,8 @@ def _given_keys(headers: dict[bytes, bytes], query: str, subprotocols: list[str]
                 given.append(base64.urlsafe_b64decode(enc + "=" * (-len(enc) % 4)).decode("utf-8"))
             except (binascii.Error, ValueError):
                 continue
+        elif proto.startswith(OPENAI_KEY_SUBPROTOCOL_PREFIX):
+            given.append(proto[len(OPENAI_KEY_SUBPROTOCOL_PREFIX):])
     return given
 
 
@@ -598,10 +623,12 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         offered = list(scope.get("subprotocols") or ())
-        if scope["type"] == "websocket" and SUBPROTOCOL in offered:
-            send = _selecting_subprotocol(send)
+        chosen = next((p for p in (SUBPROTOCOL, OPENAI_SUBPROTOCOL) if p in offered), None)
+        if scope["type"] == "websocket" and chosen:
+            send = _selecting_subprotocol(send, chosen)
         headers = dict(scope.get("headers") or [])
-        if _token_ok(self.keys, headers, scope.get("query_string", b"").decode("latin-1"), offered):
+        query = "" if scope.get("path") in NO_QUERY_KEY_PATHS else scope.get("query_string", b"").decode("latin-1")
+        if _token_ok(self.keys, headers, query, offered):
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
             body = json.dumps({"error": {"code": "unauthorized", "message": "missing or bad API key",
@@ -614,10 +641,10 @@ class ApiKeyMiddleware:
             await send({"type": "websocket.close", "code": CLOSE_POLICY, "reason": "unauthorized"})
 
 
-def _selecting_subprotocol(send):
+def _selecting_subprotocol(send, chosen: str = SUBPROTOCOL):
     async def wrapped(message):
         if message["type"] == "websocket.accept" and not message.get("subprotocol"):
-            message = {**message, "subprotocol": SUBPROTOCOL}
+            message = {**message, "subprotocol": chosen}
         await send(message)
     return wrapped
 
@@ -634,7 +661,8 @@ class RedactSecrets(logging.Filter):
 
     MASK = "***"
     _PATTERNS = (re.compile(r"(?i)(token=)[^&\s'\"#,;)]+"), re.compile(r"(?i)(bearer\s+)[^\s'\",;)]+"),
-                 re.compile(r"(" + re.escape(KEY_SUBPROTOCOL_PREFIX) + r")[A-Za-z0-9_=-]+"))
+                 re.compile(r"(" + re.escape(KEY_SUBPROTOCOL_PREFIX) + r")[A-Za-z0-9_=-]+"),
+                 re.compile(r"(" + re.escape(OPENAI_KEY_SUBPROTOCOL_PREFIX) + r")[^\s'\",;)]+"))
 
     def __init__(self, keys=()):
         super().__init__()
@@ -817,6 +845,9 @@ def create_app(settings: ServerSettings | None = None, speech=None):
     from specstream.pipeline.openai_api import openai_router
 
     app.include_router(openai_router(state))
+    from specstream.pipeline.realtime import realtime_router
+
+    app.include_router(realtime_router(state))
     app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys)
     return app
 
