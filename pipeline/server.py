@@ -9,7 +9,8 @@ its limits):
   the ``caption`` command's records (same stage graph);
 - ``GET /healthz`` (process up), ``GET /readyz`` (speech model loaded; every model's state), ``GET /metrics``
   (Prometheus: the device loop's scheduler per model and QoS class, and the server's own metrics), ``GET /docs`` (Swagger UI over ``/openapi.json``,
-  its JavaScript and CSS served by this server from the ``swagger-ui-bundle`` package, so it works offline),
+  its JavaScript and CSS (Swagger UI 5, vendored from npm's ``swagger-ui-dist``) served by this server, so it
+  works offline),
   ``GET /subtitles`` (page).
 
 ``specstream serve [--host 127.0.0.1] [--port 8000] [--caption-target DIR] ...`` runs it; settings come from
@@ -849,28 +850,21 @@ def _media_suffix(name: str) -> str:
 DOCS_ASSETS = "/docs/assets"
 
 
+SWAGGER_UI_DIR = Path(__file__).parent / "static" / "swagger-ui"  # swagger-ui-dist 5.x from npm (VENDORED.txt)
+
+
 def _add_docs(app) -> None:
-    """``/docs``: Swagger UI with its assets served from the ``swagger-ui-bundle`` package (FastAPI's default
-    page loads them from a CDN, which is blank offline). Without the package, ``/docs`` says so and points to
-    ``/openapi.json``. ReDoc (CDN only) is not offered."""
+    """``/docs``: Swagger UI 5 (it reads the OpenAPI 3.1 that FastAPI emits; 4.x shows "Unable to render this
+    definition"), its script, style sheet and licence served by this app from ``pipeline/static/swagger-ui``
+    (vendored from npm's ``swagger-ui-dist``; FastAPI's default page loads them from a CDN, blank offline).
+    ReDoc (CDN only) is not offered."""
     from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
 
-    try:
-        from swagger_ui_bundle import swagger_ui_path
-    except ImportError:
-        swagger_ui_path = None
-
-    if swagger_ui_path is not None:
-        from fastapi.staticfiles import StaticFiles
-
-        app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(SWAGGER_UI_DIR)), name="docs-assets")
 
     @app.get("/docs", include_in_schema=False)
     async def docs():
-        if swagger_ui_path is None:
-            return HTMLResponse("<p>The API page needs the <code>swagger-ui-bundle</code> package "
-                                "(<code>pip install 'specstream[serve]'</code>). The API description is at "
-                                "<a href='/openapi.json'>/openapi.json</a>.</p>", status_code=503)
         return get_swagger_ui_html(openapi_url=app.openapi_url, title="specstream API",
                                    swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
                                    swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
