@@ -369,12 +369,17 @@ async def _turns(body: ChatRequest, hub, settings) -> tuple[tuple, _Media]:
                     path, _, opened = await asyncio.to_thread(media.open, part.image_url.url, "image", where)
                     try:
                         parts.append(await asyncio.to_thread(load_image, path))
+                    except MediaError as exc:  # a media limit, a damaged image: named by the part
+                        raise _param(exc, getattr(exc, "param", None) or where) from None
                     finally:
                         if opened is not None:
                             opened.close()
                 elif part.type == "video_url" and part.video_url is not None:
-                    parts.extend(await _video_frames(hub, media, part.video_url.url, " ".join(texts), where,
-                                                     settings))
+                    try:
+                        parts.extend(await _video_frames(hub, media, part.video_url.url, " ".join(texts), where,
+                                                         settings))
+                    except MediaError as exc:
+                        raise _param(exc, getattr(exc, "param", None) or where) from None
                 else:
                     raise _param(UnsupportedParameterError(f"content parts of type {part.type!r} are not "
                                                            "supported (text, image_url, video_url)"), where)

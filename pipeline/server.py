@@ -87,6 +87,9 @@ class ServerSettings(BaseSettings):
         chat_video_frames: keyframes a chat ``video_url`` contributes, at most.
         speech_slots: KV cache slots of the Whisper runner (subtitle windows decoded at once).
         min_hop_s: least audio between decoding passes of a stream.
+        max_image_pixels, max_decoded_bytes: media limits (``specstream.modalities.limits``): pixels of one image or
+            video frame, decoded bytes of one image (all its frames) or one video frame; checked from the header
+            before decoding, on every route (a 400 ``media_too_large`` with ``param``, or a caption error record).
         agree_span_s: the commit policy's agreement span (``StreamConfig.agree_span_s``): 0 (default) commits a
             complete segment once two consecutive passes agree on it (LocalAgreement-2); longer spans wait for that
             much more audio (see the table in ``docs/benchmarks.md``).
@@ -121,6 +124,8 @@ class ServerSettings(BaseSettings):
     speech_slots: int = 16
     min_hop_s: float = Field(0.5, gt=0.0)
     agree_span_s: float = Field(0.0, ge=0.0)
+    max_image_pixels: int = Field(50_000_000, ge=1)
+    max_decoded_bytes: int = Field(1 << 30, ge=1)
 
 
 class StartMessage(BaseModel):
@@ -696,7 +701,10 @@ def create_app(settings: ServerSettings | None = None, speech=None):
 
     from specstream.errors import ModelNotLoadedError
 
+    from specstream.modalities.limits import MediaLimits, set_media_limits
+
     settings = settings or ServerSettings()
+    set_media_limits(MediaLimits(settings.max_image_pixels, settings.max_decoded_bytes))
     state = AppState(settings, speech)
 
     @asynccontextmanager
@@ -900,7 +908,8 @@ async def _run_captions(state: AppState, path: str, prompt: str, max_new_tokens:
 SERVE_FLAGS = {"host": "--host", "port": "--port", "api_keys": "--api-key", "allowed_roots": "--allowed-root",
                "agree_span_s": "--agree-span-s", "caption_target": "--caption-target",
                "caption_draft": "--caption-draft", "speech_model": "--speech-model", "text_model": "--text-model",
-               "text_draft": "--text-draft", "clip_model": "--clip-model", "clip_pretrained": "--clip-pretrained"}
+               "text_draft": "--text-draft", "clip_model": "--clip-model", "clip_pretrained": "--clip-pretrained",
+               "max_image_pixels": "--max-image-pixels", "max_decoded_bytes": "--max-decoded-bytes"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -935,6 +944,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "(SPECSTREAM_CLIP_MODEL)")
     parser.add_argument("--clip-pretrained", default=None, help="local weights of --clip-model "
                                                                 "(SPECSTREAM_CLIP_PRETRAINED)")
+    parser.add_argument("--max-image-pixels", type=int, default=None,
+                        help="pixels of one image or video frame, at most (default 50000000; "
+                             "SPECSTREAM_MAX_IMAGE_PIXELS)")
+    parser.add_argument("--max-decoded-bytes", type=int, default=None,
+                        help="decoded bytes of one image (all frames) or video frame, at most (default 1 GiB; "
+                             "SPECSTREAM_MAX_DECODED_BYTES)")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -953,7 +968,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                          ("agree_span_s", args.agree_span_s), ("caption_target", args.caption_target),
                          ("caption_draft", args.caption_draft), ("speech_model", args.speech_model),
                          ("text_model", args.text_model), ("text_draft", args.text_draft),
-                         ("clip_model", args.clip_model), ("clip_pretrained", args.clip_pretrained)):
+                         ("clip_model", args.clip_model), ("clip_pretrained", args.clip_pretrained),
+                         ("max_image_pixels", args.max_image_pixels), ("max_decoded_bytes", args.max_decoded_bytes)):
         if value is not None:
             over[field] = value
     try:

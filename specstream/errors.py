@@ -116,6 +116,18 @@ class CorruptMediaError(MediaError):
     code = "corrupt_media"
 
 
+class MediaLimitError(MediaError):
+    """An image or video frame whose header states more pixels, or more decoded bytes, than the limits allow
+    (``specstream.modalities.limits``); nothing of it was decoded. ``limit`` names the setting (``max_pixels`` or
+    ``max_decoded_bytes``)."""
+
+    code = "media_too_large"
+
+    def __init__(self, message: str, limit: str):
+        super().__init__(message)
+        self.limit = limit
+
+
 class DecodeTimeoutError(MediaError):
     """Decoding made no progress within the allowed time (a hung decoder); the decoding process was killed."""
 
