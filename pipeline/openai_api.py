@@ -142,6 +142,76 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
+# -- response bodies (documented in /openapi.json; the routes build them as dicts) -----------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int = Field(ge=0)
+    message: _AssistantMessage
+    logprobs: dict | None
+    finish_reason: Literal["stop", "length"] | None
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+class ChatCompletion(BaseModel):
+    """``chat.completion``: one choice per ``n``, ``index`` 0..n-1."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int = Field(ge=0)
+    text: str
+    logprobs: dict | None
+    finish_reason: Literal["stop", "length"] | None
+    token_ids: list[int] | None = None
+
+
+class Completion(BaseModel):
+    """``text_completion``: one choice per ``n``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    kind: str
+    context_length: int | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+_SSE_DOC = {"responses": {"200": {"content": {"text/event-stream": {"schema": {
+    "type": "string", "description": "with stream: true, server-sent events of chunk objects, then data: [DONE]"}}}}}}
+
+
 # -- errors ---------------------------------------------------------------------------------------------------------
 def error_response(status: int, message: str, code: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
@@ -154,7 +224,13 @@ def error_response(status: int, message: str, code: str, param: str | None = Non
 
 
 def exception_response(exc: BaseException, param: str | None = None) -> JSONResponse:
-    """The HTTP answer to an exception raised while serving a request."""
+    """The HTTP answer to an exception raised while serving a request (Starlette's ``HTTPException``, raised by its
+    form parser past a limit, keeps its status)."""
+    from starlette.exceptions import HTTPException
+
+    if isinstance(exc, HTTPException) and exc.status_code < 500:
+        return error_response(exc.status_code, str(exc.detail), "request_too_large" if exc.status_code == 413
+                              else "invalid_request", param)
     if isinstance(exc, CapacityError):
         return error_response(429, exc.message, exc.code, headers={"Retry-After": "5"})
     if isinstance(exc, ModelNotLoadedError):
@@ -170,12 +246,53 @@ def exception_response(exc: BaseException, param: str | None = None) -> JSONResp
     return error_response(500, f"{type(exc).__name__}: {exc}", SpecstreamError.code)
 
 
-def _validation_response(exc: ValidationError) -> JSONResponse:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err.get("loc", ()))
-    if err.get("type") == "extra_forbidden":
+def validation_response(errors: list[dict]) -> JSONResponse:
+    """OpenAI's 400 for a body that does not match the route's request model (pydantic's ``errors()``; FastAPI
+    prefixes each location with ``body``): an unknown field is ``unsupported_parameter``, anything else
+    ``invalid_request``; ``param`` is the first error's dotted location."""
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "value_error"}
+    loc_parts = [str(x) for x in err.get("loc", ())]
+    if loc_parts[:1] == ["body"]:
+        loc_parts = loc_parts[1:]
+    loc = ".".join(loc_parts)
+    kind = err.get("type")
+    if kind == "extra_forbidden":
         return error_response(400, f"Unrecognized request argument supplied: {loc}", "unsupported_parameter", loc)
-    return error_response(400, f"{loc}: {err['msg']}", "invalid_request", loc or None)
+    if kind == "json_invalid":
+        return error_response(400, "the request body must be JSON", "invalid_request")
+    if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
+        return error_response(400, "the request body must be a JSON object", "invalid_request")
+    if not loc and kind == "missing":
+        return error_response(400, "the request needs a JSON body", "invalid_request")
+    return error_response(400, f"{loc}: {err.get('msg', 'invalid value')}", "invalid_request", loc or None)
+
+
+#: the routes whose request-model and body-parsing errors are answered in OpenAI's shape (the server's exception
+#: handlers)
+OPENAI_JSON_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "invalid request (OpenAI error body; ``code`` is specstream's)"},
+    401: {"model": ErrorBody, "description": "missing or wrong API key"},
+    403: {"model": ErrorBody, "description": "a file:// URL outside the allowed roots"},
+    404: {"model": ErrorBody, "description": "model not served here, or no such file"},
+    413: {"description": "request body over the limit"},
+    429: {"model": ErrorBody, "description": "too many requests in flight; retry after ``Retry-After`` s"},
+}
 
 
 def _refuse(body: _Sampling) -> None:
@@ -464,15 +581,6 @@ def openai_router(app_state) -> APIRouter:
     router = APIRouter()
     json_limit = 4 * (settings.max_upload_bytes // 3 + 1) + FORM_OVERHEAD_BYTES  # base64 media + the rest
 
-    async def read_json(request: Request, model):
-        try:
-            obj = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError):
-            raise InvalidRequestError("the request body must be JSON") from None
-        if not isinstance(obj, dict):
-            raise InvalidRequestError("the request body must be a JSON object")
-        return model.model_validate(obj)
-
     async def complete(request: Request, body: _Sampling, prompt_of, chat: bool):
         """Shared by both completion routes: admission, generation (streamed or not), errors, cleanup."""
         hub = state.hub()
@@ -532,28 +640,27 @@ def openai_router(app_state) -> APIRouter:
                 state.release()
                 media.close()
 
-    async def handle(request: Request, model, prompt_of_body, chat: bool):
+    async def handle(request: Request, body: _Sampling, prompt_of, chat: bool):
         try:
-            body = await read_json(request, model)
             _refuse(body)
-            return await complete(request, body, lambda hub: prompt_of_body(body, hub), chat)
-        except ValidationError as exc:
-            return _validation_response(exc)
+            return await complete(request, body, prompt_of, chat)
         except Exception as exc:  # noqa: BLE001  every failure is an OpenAI error body
             return exception_response(exc)
 
     @router.post("/v1/chat/completions", summary="OpenAI chat completions (text, images, video; SSE stream)",
-                 max_body_size=json_limit)
-    async def chat_completions(request: Request):
-        async def prompt_of(body: ChatRequest, hub):
+                 max_body_size=json_limit, responses=ERROR_RESPONSES,
+                 response_model=ChatCompletion, openapi_extra=_SSE_DOC)
+    async def chat_completions(request: Request, body: ChatRequest):
+        async def prompt_of(hub):
             turns, media = await _turns(body, hub, settings)
             return Prompt(turns=turns), media
 
-        return await handle(request, ChatRequest, prompt_of, True)
+        return await handle(request, body, prompt_of, True)
 
-    @router.post("/v1/completions", summary="OpenAI text completions", max_body_size=json_limit)
-    async def completions(request: Request):
-        async def prompt_of(body: CompletionRequest, hub):
+    @router.post("/v1/completions", summary="OpenAI text completions", max_body_size=json_limit,
+                 responses=ERROR_RESPONSES, response_model=Completion, openapi_extra=_SSE_DOC)
+    async def completions(request: Request, body: CompletionRequest):
+        async def prompt_of(hub):
             p = body.prompt
             if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
                 return Prompt(ids=tuple(p)), _Media(settings)  # token ids, as they are
@@ -564,16 +671,17 @@ def openai_router(app_state) -> APIRouter:
                 p = p[0]
             return Prompt(text=p), _Media(settings)
 
-        return await handle(request, CompletionRequest, prompt_of, False)
+        return await handle(request, body, prompt_of, False)
 
-    @router.get("/v1/models", summary="OpenAI model list: the models this server serves")
+    @router.get("/v1/models", summary="OpenAI model list: the models this server serves", response_model=ModelList)
     async def models():
         data = [{"id": m.id, "object": "model", "created": state.created, "owned_by": "specstream",
                  "kind": m.kind, "context_length": m.context_length} for m in state.hub().models()]
         return {"object": "list", "data": data}
 
     @router.post("/v1/audio/transcriptions", summary="OpenAI audio transcriptions (Whisper, speculative decoding)",
-                 max_body_size=settings.max_upload_bytes + FORM_OVERHEAD_BYTES)
+                 max_body_size=settings.max_upload_bytes + FORM_OVERHEAD_BYTES, responses=ERROR_RESPONSES,
+                 openapi_extra=_TRANSCRIPTION_DOC)
     async def transcriptions(request: Request):
         try:
             return await _transcription(request, state)
@@ -685,6 +793,15 @@ async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: i
 
 # -- transcriptions -------------------------------------------------------------------------------------------------
 _FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+#: the multipart form ``_transcription`` reads, for /openapi.json (the form is parsed by hand: streamed to disk)
+_TRANSCRIPTION_DOC = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "model"], "properties": {
+        "file": {"type": "string", "format": "binary"}, "model": {"type": "string"},
+        "response_format": {"type": "string", "enum": list(_FORMATS)},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 0}, "language": {"type": "string"},
+        "prompt": {"type": "string"},
+        "timestamp_granularities[]": {"type": "array", "items": {"type": "string", "enum": ["segment", "word"]}}},
+}}}}}
 
 
 async def _transcription(request: Request, state: OpenAIState) -> Response:

@@ -128,6 +128,33 @@ class ServerSettings(BaseSettings):
     max_decoded_bytes: int = Field(1 << 30, ge=1)
 
 
+class CaptionResponse(BaseModel):
+    """``POST /v1/captions``: the ``caption`` command's records (a caption or an ``error`` each)."""
+
+    records: list[dict[str, Any]]
+
+
+class HttpDetail(BaseModel):
+    """FastAPI's error body: ``detail`` is a message (or, for a 422 from the form's types, a list of errors)."""
+
+    detail: str | list[dict[str, Any]]
+
+
+class CodedError(BaseModel):
+    error: dict[str, str]
+
+
+CAPTION_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": HttpDetail, "description": "a body that is not a parsable multipart form"},
+    403: {"model": HttpDetail, "description": "source_uri disabled or outside the allowed roots"},
+    404: {"model": HttpDetail, "description": "source_uri names no file"},
+    413: {"model": HttpDetail, "description": "upload over max_upload_bytes"},
+    422: {"model": HttpDetail, "description": "not exactly one of file and source_uri, or a bad form field"},
+    429: {"model": CodedError, "description": "caption queue full (Retry-After)"},
+    503: {"model": CodedError, "description": "the caption model failed to load"},
+}
+
+
 class StartMessage(BaseModel):
     """The optional first text message of a subtitle session."""
 
@@ -727,7 +754,8 @@ def create_app(settings: ServerSettings | None = None, speech=None):
     async def healthz() -> dict:
         return {"status": "ok", "sessions": state.sessions}
 
-    @app.get("/readyz", summary="models loaded; ready for subtitle sessions")
+    @app.get("/readyz", summary="models loaded; ready for subtitle sessions",
+             responses={503: {"description": "loading, or a model failed (``error`` says why)"}})
     async def readyz():
         models = state.models()
         if state.ready:
@@ -735,7 +763,9 @@ def create_app(settings: ServerSettings | None = None, speech=None):
         return JSONResponse({"status": "loading" if state.load_error is None else "failed",
                              "error": state.load_error, "models": models}, status_code=503)
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -749,7 +779,8 @@ def create_app(settings: ServerSettings | None = None, speech=None):
         return HTMLResponse(SUBTITLES_HTML)
 
     @app.post("/v1/captions", summary="caption an image or video (upload or source_uri)",
-              max_body_size=settings.max_upload_bytes + FORM_OVERHEAD_BYTES,
+              max_body_size=settings.max_upload_bytes + FORM_OVERHEAD_BYTES, response_model=CaptionResponse,
+              responses=CAPTION_ERRORS,
               form_limits={"max_files": 1, "max_fields": 8, "max_part_size": FORM_OVERHEAD_BYTES // 2})
     async def captions(file: UploadFile | None = File(None), source_uri: str | None = Form(None),
                        prompt: str = Form("Describe this image."), max_new_tokens: int = Form(32, ge=1, le=4096),
@@ -822,7 +853,28 @@ def create_app(settings: ServerSettings | None = None, speech=None):
         finally:
             state.sessions -= 1
 
-    from specstream.pipeline.openai_api import openai_router
+    from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from specstream.pipeline.openai_api import OPENAI_JSON_ROUTES, openai_router, validation_response
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_model_errors(request, exc: RequestValidationError):
+        # the OpenAI routes answer a body that breaks their request model in OpenAI's shape (400); the others
+        # keep FastAPI's 422
+        if request.url.path in OPENAI_JSON_ROUTES:
+            return validation_response(list(exc.errors()))
+        return await request_validation_exception_handler(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_errors(request, exc: StarletteHTTPException):
+        # a body FastAPI cannot parse (400), one over the limit (413): OpenAI's shape on the OpenAI routes
+        if request.url.path in OPENAI_JSON_ROUTES:
+            from specstream.pipeline.openai_api import exception_response
+
+            return exception_response(exc)
+        return await http_exception_handler(request, exc)
 
     app.include_router(openai_router(state))
     app.add_middleware(ApiKeyMiddleware, keys=settings.api_keys)
