@@ -7,8 +7,9 @@ Shapes follow OpenAI's API reference (chat completion objects and ``chat.complet
 ending with ``data: [DONE]``; ``usage``; ``logprobs.content`` with ``top_logprobs``; transcription
 ``json|text|srt|vtt|verbose_json``). What differs, and every limit, is in ``docs/api.md``:
 
-- images come as ``image_url`` parts with ``data:`` URLs, or ``file://`` URLs under the server's allowed roots;
-  http(s) URLs are refused (the server fetches nothing); ``video_url`` parts (as vLLM takes them) become the
+- images come as ``image_url`` parts with ``data:`` URLs, ``file://`` URLs under the server's allowed roots, or
+  http(s) URLs of hosts in ``allowed_media_domains`` (empty by default: nothing is fetched;
+  ``specstream.modalities.fetch`` has the policy); ``video_url`` parts (as vLLM takes them) become the
   video's keyframes, chosen as ``specstream qa`` chooses them;
 - ``n`` must be 1; tools, response formats, penalties and logit biases are refused with
   ``unsupported_parameter``; ``return_token_ids: true`` (vLLM's extension) adds ``token_ids`` to the choice;
@@ -383,16 +384,32 @@ class _Media:
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
+    def _store(self, data: bytes, mime: str, want: str) -> tuple[str, str]:
+        """(path, display name) of ``data`` written into the request's folder; counts against the budget."""
+        from specstream.pipeline.server import _media_suffix, upload_display_name
+
+        self.budget -= len(data)
+        ext = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "image/gif": ".gif",
+               "video/mp4": ".mp4", "video/webm": ".webm", "video/quicktime": ".mov"}.get(mime, "")
+        shown = upload_display_name(f"{want}{ext}")
+        if self.tmpdir is None:
+            self.tmpdir = tempfile.mkdtemp(prefix="specstream-openai-")
+        path = os.path.join(self.tmpdir, f"media{secrets.token_hex(4)}" + _media_suffix(shown))
+        with open(path, "wb") as fh:
+            fh.write(data)
+        return path, shown
+
     def open(self, url: str, want: str, param: str) -> tuple[str, str, Any]:
         """(path to read, display name, opened source or None) of a media URL expected to hold ``want``
         (``image`` or ``video``), after sniffing its content.
 
         Raises:
-            UnsupportedParameterError (http(s) and other schemes), InvalidRequestError (bad data URL, too large),
+            UnsupportedParameterError (http(s) without ``allowed_media_domains``, other schemes),
+            MediaUrlNotAllowedError, MediaFetchError (http(s) under the policy: ``specstream.modalities.fetch``),
+            InvalidRequestError (bad data URL, too large),
             UnreadableSourceError (file URL outside the roots or missing), UnsupportedMediaError (wrong kind).
         """
         from specstream.modalities.source import open_source
-        from specstream.pipeline.server import _media_suffix, upload_display_name
         from specstream.stages.caption import media_kind
 
         low = url[:16].lower()
@@ -412,16 +429,17 @@ class _Media:
             if len(data) > self.budget:
                 raise _param(InvalidRequestError(f"media over {self.settings.max_upload_bytes} bytes in this "
                                                  "request (max_upload_bytes)"), param)
-            self.budget -= len(data)
-            mime = (m.group("mime") or "").lower()
-            ext = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "image/gif": ".gif",
-                   "video/mp4": ".mp4", "video/webm": ".webm", "video/quicktime": ".mov"}.get(mime, "")
-            shown = upload_display_name(f"{want}{ext}")
-            if self.tmpdir is None:
-                self.tmpdir = tempfile.mkdtemp(prefix="specstream-openai-")
-            path = os.path.join(self.tmpdir, f"media{secrets.token_hex(4)}" + _media_suffix(shown))
-            with open(path, "wb") as fh:
-                fh.write(data)
+            path, shown = self._store(data, (m.group("mime") or "").lower(), want)
+        elif low.startswith(("http://", "https://")) and self.settings.allowed_media_domains:
+            from specstream.modalities.fetch import FetchPolicy, fetch
+
+            policy = FetchPolicy(tuple(self.settings.allowed_media_domains), self.settings.max_upload_bytes,
+                                 self.settings.media_fetch_timeout_s)
+            try:
+                data, mime = fetch(url, policy, self.budget)
+            except SpecstreamError as exc:
+                raise _param(exc, param) from None
+            path, shown = self._store(data, (mime or "").split(";")[0].strip().lower(), want)
         elif low.startswith("file://"):
             roots = self.settings.allowed_roots
             if not roots:
@@ -431,8 +449,8 @@ class _Media:
             path, shown = opened.path, url
         elif low.startswith(("http://", "https://")):
             raise _param(UnsupportedParameterError(
-                f"this server does not fetch {url.split(':', 1)[0]} URLs (it works offline): send the media as a "
-                "data: URL, or a file:// URL under an allowed root"), param)
+                f"this server does not fetch {url.split(':', 1)[0]} URLs (no --allowed-media-domains): send the media "
+                "as a data: URL, or a file:// URL under an allowed root"), param)
         else:
             raise _param(UnsupportedParameterError(f"unsupported media URL scheme in {url[:40]!r}: use data: or "
                                                    "file://"), param)

@@ -87,6 +87,10 @@ class ServerSettings(BaseSettings):
         chat_video_frames: keyframes a chat ``video_url`` contributes, at most.
         speech_slots: KV cache slots of the Whisper runner (subtitle windows decoded at once).
         min_hop_s: least audio between decoding passes of a stream.
+        allowed_media_domains: hosts (names or IP literals) whose http(s) image and video URLs the chat route
+            fetches (``specstream.modalities.fetch``: listed hosts only, public addresses unless the address is
+            listed, no redirects elsewhere, at most ``max_upload_bytes``); empty (default): nothing is fetched.
+        media_fetch_timeout_s: one fetch, redirects included, at most (seconds).
         max_image_pixels, max_decoded_bytes: media limits (``specstream.modalities.limits``): pixels of one image or
             video frame, decoded bytes of one image (all its frames) or one video frame; checked from the header
             before decoding, on every route (a 400 ``media_too_large`` with ``param``, or a caption error record).
@@ -124,6 +128,8 @@ class ServerSettings(BaseSettings):
     speech_slots: int = 16
     min_hop_s: float = Field(0.5, gt=0.0)
     agree_span_s: float = Field(0.0, ge=0.0)
+    allowed_media_domains: list[str] = Field(default_factory=list)
+    media_fetch_timeout_s: float = Field(10.0, gt=0.0)
     max_image_pixels: int = Field(50_000_000, ge=1)
     max_decoded_bytes: int = Field(1 << 30, ge=1)
 
@@ -961,6 +967,7 @@ SERVE_FLAGS = {"host": "--host", "port": "--port", "api_keys": "--api-key", "all
                "agree_span_s": "--agree-span-s", "caption_target": "--caption-target",
                "caption_draft": "--caption-draft", "speech_model": "--speech-model", "text_model": "--text-model",
                "text_draft": "--text-draft", "clip_model": "--clip-model", "clip_pretrained": "--clip-pretrained",
+               "allowed_media_domains": "--allowed-media-domains", "media_fetch_timeout_s": "--media-fetch-timeout-s",
                "max_image_pixels": "--max-image-pixels", "max_decoded_bytes": "--max-decoded-bytes"}
 
 
@@ -996,6 +1003,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "(SPECSTREAM_CLIP_MODEL)")
     parser.add_argument("--clip-pretrained", default=None, help="local weights of --clip-model "
                                                                 "(SPECSTREAM_CLIP_PRETRAINED)")
+    parser.add_argument("--allowed-media-domains", nargs="+", action="extend", default=None, metavar="HOST",
+                        help="hosts whose http(s) media URLs chat requests may name (default none: nothing is "
+                             "fetched; private/loopback addresses only when the address is listed; "
+                             "SPECSTREAM_ALLOWED_MEDIA_DOMAINS, a JSON list)")
+    parser.add_argument("--media-fetch-timeout-s", type=float, default=None,
+                        help="one media fetch at most (default 10; SPECSTREAM_MEDIA_FETCH_TIMEOUT_S)")
     parser.add_argument("--max-image-pixels", type=int, default=None,
                         help="pixels of one image or video frame, at most (default 50000000; "
                              "SPECSTREAM_MAX_IMAGE_PIXELS)")
@@ -1021,6 +1034,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                          ("caption_draft", args.caption_draft), ("speech_model", args.speech_model),
                          ("text_model", args.text_model), ("text_draft", args.text_draft),
                          ("clip_model", args.clip_model), ("clip_pretrained", args.clip_pretrained),
+                         ("allowed_media_domains", args.allowed_media_domains),
+                         ("media_fetch_timeout_s", args.media_fetch_timeout_s),
                          ("max_image_pixels", args.max_image_pixels), ("max_decoded_bytes", args.max_decoded_bytes)):
         if value is not None:
             over[field] = value

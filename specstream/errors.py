@@ -163,6 +163,21 @@ class ModelNotLoadedError(InvalidRequestError):
     code = "model_not_loaded"
 
 
+class MediaUrlNotAllowedError(InvalidRequestError):
+    """A remote media URL the server's policy refuses: its host is not in ``--allowed-media-domains``, it resolves
+    to a private, loopback or link-local address that is not listed itself, or it redirects to such a place."""
+
+    code = "media_url_not_allowed"
+
+
+class MediaFetchError(MediaError):
+    """A remote media URL allowed by the policy could not be fetched: connection failed, timed out, answered an
+    HTTP error, too many redirects."""
+
+    code = "media_fetch_failed"
+    retryable = True
+
+
 class UnsupportedParameterError(InvalidRequestError):
     """A request parameter has a value this server does not implement (e.g. ``n > 1``, tools, an http(s) media
     URL); the message names the parameter."""
