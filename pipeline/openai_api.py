@@ -11,7 +11,8 @@ ending with ``data: [DONE]``; ``usage``; ``logprobs.content`` with ``top_logprob
   http(s) URLs of hosts in ``allowed_media_domains`` (empty by default: nothing is fetched;
   ``specstream.modalities.fetch`` has the policy); ``video_url`` parts (as vLLM takes them) become the
   video's keyframes, chosen as ``specstream qa`` chooses them;
-- ``n`` must be 1; tools, response formats, penalties and logit biases are refused with
+- ``n`` (up to 16) choices decode as rows of the same engine steps, each with its own random stream (seed + i
+  when a seed is given); greedy choices are identical; tools, response formats, penalties and logit biases are refused with
   ``unsupported_parameter``; ``return_token_ids: true`` (vLLM's extension) adds ``token_ids`` to the choice;
 - a client that drops a streamed (or any) request cancels it: it ends at its next engine step and frees its slot.
 
@@ -52,6 +53,7 @@ from specstream.errors import (
 
 DISCONNECT_POLL_S = 0.25
 _WATCHERS: set[asyncio.Task] = set()  # how often a running request checks that its client is still there
+MAX_CHOICES = 16  # n at most
 WHISPER_ALIAS = "whisper-1"  # OpenAI's transcription model name, accepted for the served Whisper model
 
 
@@ -101,7 +103,7 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)  # choices: one prompt, n decode rows
     stream: bool = False
     stream_options: _StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -309,10 +311,6 @@ def _refuse(body: _Sampling) -> None:
             err = UnsupportedParameterError(f"{name!r} other than 0 is not supported by this server")
             err.param = name
             raise err
-    if body.n not in (None, 1):
-        err = UnsupportedParameterError(f"n={body.n}: only one choice per request (n=1) is supported")
-        err.param = "n"
-        raise err
 
 
 def _stops(stop) -> tuple[str, ...]:
@@ -569,9 +567,11 @@ def _logprobs_content(hub_model, gen, tokens: list[int], offset: int = 0) -> lis
     return out
 
 
-def _usage(gen) -> dict[str, int]:
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": len(gen.tokens),
-            "total_tokens": gen.prompt_tokens + len(gen.tokens)}
+def _usage(gens: list) -> dict[str, int]:
+    """OpenAI's usage of one request: the prompt once, the tokens of every choice."""
+    done = sum(len(g.tokens) for g in gens)
+    return {"prompt_tokens": gens[0].prompt_tokens, "completion_tokens": done,
+            "total_tokens": gens[0].prompt_tokens + done}
 
 
 def _sse(obj: Any) -> str:
@@ -617,26 +617,30 @@ def openai_router(app_state) -> APIRouter:
             top = body.logprobs or 0
             max_new = body.max_tokens or 16  # OpenAI's default for text completions
         temperature = 1.0 if body.temperature is None else body.temperature
-        seed = body.seed if body.seed is not None else secrets.randbits(31)
-        params = GenerationParams(max_new_tokens=max_new, temperature=temperature, top_p=body.top_p or 1.0,
-                                  seed=seed, stop=_stops(body.stop), logprobs=logprobs, top_logprobs=top)
+        choices = body.n or 1
+        # one random stream per choice: seed + i when the client gave a seed (reproducible), else fresh draws
+        seeds = [body.seed + i if body.seed is not None else secrets.randbits(31) for i in range(choices)]
+        stops = _stops(body.stop)
+        params = [GenerationParams(max_new_tokens=max_new, temperature=temperature, top_p=body.top_p or 1.0,
+                                   seed=seed, stop=stops, logprobs=logprobs, top_logprobs=top) for seed in seeds]
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         state.admit()
         admitted = False
         try:
             if not body.stream:
-                task = asyncio.create_task(hub.generate(prompt, params, model=body.model, qos=QOS_INTERACTIVE))
+                task = asyncio.create_task(hub.generate_many(prompt, params, model=body.model, qos=QOS_INTERACTIVE))
                 watch = asyncio.create_task(_watch_client(request, task))
                 try:
-                    gen = await task
+                    gens = await task
                 finally:
                     watch.cancel()
-                return JSONResponse(_final(rid, created, model, gen, chat, body.return_token_ids))
+                return JSONResponse(_final(rid, created, model, gens, chat, body.return_token_ids))
             queue: asyncio.Queue = asyncio.Queue()
             started = asyncio.Event()
-            task = asyncio.create_task(hub.generate(prompt, params, model=body.model, qos=QOS_INTERACTIVE,
-                                                    on_delta=queue.put_nowait, on_admitted=started.set))
+            task = asyncio.create_task(hub.generate_many(prompt, params, model=body.model, qos=QOS_INTERACTIVE,
+                                                         on_delta=lambda i, d: queue.put_nowait((i, d)),
+                                                         on_admitted=started.set))
             waiter = asyncio.create_task(started.wait())
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
@@ -651,7 +655,7 @@ def openai_router(app_state) -> APIRouter:
             _WATCHERS.add(watch)  # a strong reference until it ends (the loop keeps only weak ones)
             watch.add_done_callback(_WATCHERS.discard)
             return StreamingResponse(_events(task, queue, rid, created, model, chat, logprobs, stream_usage,
-                                             body.return_token_ids),
+                                             body.return_token_ids, choices),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finally:
             if not admitted:
@@ -709,21 +713,25 @@ def openai_router(app_state) -> APIRouter:
     return router
 
 
-def _final(rid: str, created: int, model, gen, chat: bool, token_ids: bool) -> dict[str, Any]:
+def _final(rid: str, created: int, model, gens: list, chat: bool, token_ids: bool) -> dict[str, Any]:
+    """The completion object of ``gens`` (one per choice, ``index`` in order)."""
     hub_model = model
-    if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": gen.text},
-                                  "logprobs": None, "finish_reason": gen.finish_reason}
-        if gen.logprobs is not None:
-            choice["logprobs"] = {"content": _logprobs_content(hub_model, gen, gen.tokens)}
-    else:
-        choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}
-        if gen.logprobs is not None:
-            choice["logprobs"] = _legacy_logprobs(hub_model, gen)
-    if token_ids:
-        choice["token_ids"] = list(gen.tokens)
+    choices = []
+    for index, gen in enumerate(gens):
+        if chat:
+            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": gen.text},
+                                      "logprobs": None, "finish_reason": gen.finish_reason}
+            if gen.logprobs is not None:
+                choice["logprobs"] = {"content": _logprobs_content(hub_model, gen, gen.tokens)}
+        else:
+            choice = {"index": index, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}
+            if gen.logprobs is not None:
+                choice["logprobs"] = _legacy_logprobs(hub_model, gen)
+        if token_ids:
+            choice["token_ids"] = list(gen.tokens)
+        choices.append(choice)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": gen.model, "system_fingerprint": None, "choices": [choice], "usage": _usage(gen)}
+            "model": gens[0].model, "system_fingerprint": None, "choices": choices, "usage": _usage(gens)}
 
 
 def _legacy_logprobs(hub_model, gen) -> dict[str, Any]:
@@ -745,9 +753,10 @@ def _legacy_logprobs(hub_model, gen) -> dict[str, Any]:
 
 
 async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: int, model, chat: bool,
-                  logprobs: bool, usage: bool, token_ids: bool):
-    """The SSE stream of one request: a role chunk, a chunk per engine step that released text (or tokens with
-    log-probabilities), the final chunk with ``finish_reason``, the usage chunk when asked, ``[DONE]``. When the
+                  logprobs: bool, usage: bool, token_ids: bool, choices: int = 1):
+    """The SSE stream of one request: a role chunk per choice, a chunk per engine step and choice that released
+    text (or tokens with log-probabilities), each choice's final chunk with ``finish_reason``, the usage chunk when
+    asked, ``[DONE]``. Every chunk carries its choice's ``index``; ``queue`` holds ``(index, delta)``. When the
     client goes away (a send fails, or the watcher sees the disconnect) the generation is cancelled."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     mid = model.info.id
@@ -763,8 +772,9 @@ async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: i
     task.add_done_callback(lambda _: done.set())
     try:
         if chat:
-            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
+            for index in range(choices):
+                yield chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
         while True:
             if queue.empty():
                 getter = asyncio.create_task(queue.get())
@@ -776,33 +786,35 @@ async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: i
                     if queue.empty():
                         break
                     continue
-                delta = getter.result()
+                index, delta = getter.result()
             else:
-                delta = queue.get_nowait()
+                index, delta = queue.get_nowait()
             if not delta.text and not (logprobs and delta.tokens):
                 continue
             if chat:
-                choice = {"index": 0, "delta": {"content": delta.text}, "logprobs": None, "finish_reason": None}
+                choice = {"index": index, "delta": {"content": delta.text}, "logprobs": None,
+                          "finish_reason": None}
                 if logprobs:
                     choice["logprobs"] = {"content": [_token_entry(model, t, lp, None) for t, lp in
                                                       zip(delta.tokens, delta.logprobs) if t not in model.eos]}
             else:
-                choice = {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": None}
+                choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": None}
             yield chunk(choice)
         try:
-            gen = task.result()
+            gens = task.result()
         except Exception as exc:  # noqa: BLE001  after the first byte the status is sent: an error event
             err = json.loads(exception_response(exc).body)
             yield _sse(err)
             yield "data: [DONE]\n\n"
             return
-        last = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
-        last.update({"delta": {}} if chat else {"text": ""})
-        if token_ids:
-            last["token_ids"] = list(gen.tokens)
-        yield chunk(last)
+        for index, gen in enumerate(gens):
+            last = {"index": index, "logprobs": None, "finish_reason": gen.finish_reason}
+            last.update({"delta": {}} if chat else {"text": ""})
+            if token_ids:
+                last["token_ids"] = list(gen.tokens)
+            yield chunk(last)
         if usage:
-            yield chunk(None, {"usage": _usage(gen)})
+            yield chunk(None, {"usage": _usage(gens)})
         yield "data: [DONE]\n\n"
     finally:
         if not task.done():
