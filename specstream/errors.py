@@ -179,8 +179,8 @@ class MediaFetchError(MediaError):
 
 
 class UnsupportedParameterError(InvalidRequestError):
-    """A request parameter has a value this server does not implement (e.g. ``n > 1``, tools, an http(s) media
-    URL); the message names the parameter."""
+    """A request parameter has a value this server does not implement (e.g. tools, an http(s) media URL without
+    ``--allowed-media-domains``); the message names the parameter."""
 
     code = "unsupported_parameter"
 
