@@ -183,13 +183,17 @@ def iso_bmff_video_sizes(path: str | os.PathLike, max_boxes: int = 10_000) -> li
 def check_video_file(path: str | os.PathLike, what: str | None = None, limits: MediaLimits | None = None) -> None:
     """Check a video file from its container header before a decoder starts: an ISO BMFF file by its ``tkhd`` and
     ``stsd`` sizes, a GIF by Pillow's header scan (every frame counts: an animation's frames are decoded in full).
-    Other containers are checked by the decoding child from its probe (:func:`check_stream`). Raises
-    :class:`MediaLimitError`."""
+    Other containers, and anything that is not a regular file (a FIFO would block this process), are checked by
+    the decoding child from its probe (:func:`check_stream`). Raises :class:`MediaLimitError`."""
     from specstream.modalities.video import SNIFF_BYTES, sniff_container
+
+    import stat
 
     limits = limits or _limits
     what = what or os.fspath(path)
     try:
+        if not stat.S_ISREG(os.stat(os.fspath(path)).st_mode):
+            return  # a pipe or device: opening it may block, so only the decoding child (killable) reads it
         with open(os.fspath(path), "rb") as fh:
             head = fh.read(SNIFF_BYTES)
     except OSError:
