@@ -139,9 +139,14 @@ def _raise(code: str, message: str):
 
 
 def _check_path(path: str | os.PathLike) -> str:
+    """The path, after checking it exists and that its container header is within the media limits
+    (`specstream.modalities.limits.check_video_file`: nothing is decoded)."""
+    from specstream.modalities.limits import check_video_file
+
     p = os.fspath(path)
     if not os.path.exists(p):
         raise UnreadableSourceError(f"no such file: {p}")
+    check_video_file(p)
     return p
 
 
@@ -256,6 +261,8 @@ class VideoDecodeSession:
         Raises the `MediaError` subclasses of the module docstring; a damaged file first yields the frames
         decoded before the damage. Closing the generator early stops the child.
         """
+        from specstream.modalities.limits import check_stream
+
         _check_path(self.path)
         backend = self.backend
         delivered = 0
@@ -268,6 +275,7 @@ class VideoDecodeSession:
                         kind = msg[0]
                         if kind == "info":
                             d = msg[1]
+                            check_stream(d["width"], d["height"], f"{self.path} (video stream)")
                             self.info = VideoInfo(
                                 path=self.path, width=d["width"], height=d["height"], rotation=d["rotation"],
                                 time_base=(d["tb_num"], d["tb_den"]), start_pts=d["start_pts"],

@@ -7,10 +7,12 @@ Shapes follow OpenAI's API reference (chat completion objects and ``chat.complet
 ending with ``data: [DONE]``; ``usage``; ``logprobs.content`` with ``top_logprobs``; transcription
 ``json|text|srt|vtt|verbose_json``). What differs, and every limit, is in ``docs/api.md``:
 
-- images come as ``image_url`` parts with ``data:`` URLs, or ``file://`` URLs under the server's allowed roots;
-  http(s) URLs are refused (the server fetches nothing); ``video_url`` parts (as vLLM takes them) become the
+- images come as ``image_url`` parts with ``data:`` URLs, ``file://`` URLs under the server's allowed roots, or
+  http(s) URLs of hosts in ``allowed_media_domains`` (empty by default: nothing is fetched;
+  ``specstream.modalities.fetch`` has the policy); ``video_url`` parts (as vLLM takes them) become the
   video's keyframes, chosen as ``specstream qa`` chooses them;
-- ``n`` must be 1; tools, response formats, penalties and logit biases are refused with
+- ``n`` (up to 16) choices decode as rows of the same engine steps, each with its own random stream (seed + i
+  when a seed is given); greedy choices are identical; tools, response formats, penalties and logit biases are refused with
   ``unsupported_parameter``; ``return_token_ids: true`` (vLLM's extension) adds ``token_ids`` to the choice;
 - a client that drops a streamed (or any) request cancels it: it ends at its next engine step and frees its slot.
 
@@ -51,6 +53,7 @@ from specstream.errors import (
 
 DISCONNECT_POLL_S = 0.25
 _WATCHERS: set[asyncio.Task] = set()  # how often a running request checks that its client is still there
+MAX_CHOICES = 16  # n at most
 WHISPER_ALIAS = "whisper-1"  # OpenAI's transcription model name, accepted for the served Whisper model
 
 
@@ -100,7 +103,7 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)  # choices: one prompt, n decode rows
     stream: bool = False
     stream_options: _StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -142,6 +145,76 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
+# -- response bodies (documented in /openapi.json; the routes build them as dicts) -----------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int = Field(ge=0)
+    message: _AssistantMessage
+    logprobs: dict | None
+    finish_reason: Literal["stop", "length"] | None
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+class ChatCompletion(BaseModel):
+    """``chat.completion``: one choice per ``n``, ``index`` 0..n-1."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int = Field(ge=0)
+    text: str
+    logprobs: dict | None
+    finish_reason: Literal["stop", "length"] | None
+    token_ids: list[int] | None = None
+
+
+class Completion(BaseModel):
+    """``text_completion``: one choice per ``n``."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    kind: str
+    context_length: int | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+_SSE_DOC = {"responses": {"200": {"content": {"text/event-stream": {"schema": {
+    "type": "string", "description": "with stream: true, server-sent events of chunk objects, then data: [DONE]"}}}}}}
+
+
 # -- errors ---------------------------------------------------------------------------------------------------------
 def error_response(status: int, message: str, code: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
@@ -154,7 +227,13 @@ def error_response(status: int, message: str, code: str, param: str | None = Non
 
 
 def exception_response(exc: BaseException, param: str | None = None) -> JSONResponse:
-    """The HTTP answer to an exception raised while serving a request."""
+    """The HTTP answer to an exception raised while serving a request (Starlette's ``HTTPException``, raised by its
+    form parser past a limit, keeps its status)."""
+    from starlette.exceptions import HTTPException
+
+    if isinstance(exc, HTTPException) and exc.status_code < 500:
+        return error_response(exc.status_code, str(exc.detail), "request_too_large" if exc.status_code == 413
+                              else "invalid_request", param)
     if isinstance(exc, CapacityError):
         return error_response(429, exc.message, exc.code, headers={"Retry-After": "5"})
     if isinstance(exc, ModelNotLoadedError):
@@ -170,12 +249,53 @@ def exception_response(exc: BaseException, param: str | None = None) -> JSONResp
     return error_response(500, f"{type(exc).__name__}: {exc}", SpecstreamError.code)
 
 
-def _validation_response(exc: ValidationError) -> JSONResponse:
-    err = exc.errors()[0]
-    loc = ".".join(str(x) for x in err.get("loc", ()))
-    if err.get("type") == "extra_forbidden":
+def validation_response(errors: list[dict]) -> JSONResponse:
+    """OpenAI's 400 for a body that does not match the route's request model (pydantic's ``errors()``; FastAPI
+    prefixes each location with ``body``): an unknown field is ``unsupported_parameter``, anything else
+    ``invalid_request``; ``param`` is the first error's dotted location."""
+    err = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "value_error"}
+    loc_parts = [str(x) for x in err.get("loc", ())]
+    if loc_parts[:1] == ["body"]:
+        loc_parts = loc_parts[1:]
+    loc = ".".join(loc_parts)
+    kind = err.get("type")
+    if kind == "extra_forbidden":
         return error_response(400, f"Unrecognized request argument supplied: {loc}", "unsupported_parameter", loc)
-    return error_response(400, f"{loc}: {err['msg']}", "invalid_request", loc or None)
+    if kind == "json_invalid":
+        return error_response(400, "the request body must be JSON", "invalid_request")
+    if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
+        return error_response(400, "the request body must be a JSON object", "invalid_request")
+    if not loc and kind == "missing":
+        return error_response(400, "the request needs a JSON body", "invalid_request")
+    return error_response(400, f"{loc}: {err.get('msg', 'invalid value')}", "invalid_request", loc or None)
+
+
+#: the routes whose request-model and body-parsing errors are answered in OpenAI's shape (the server's exception
+#: handlers)
+OPENAI_JSON_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "invalid request (OpenAI error body; ``code`` is specstream's)"},
+    401: {"model": ErrorBody, "description": "missing or wrong API key"},
+    403: {"model": ErrorBody, "description": "a file:// URL outside the allowed roots"},
+    404: {"model": ErrorBody, "description": "model not served here, or no such file"},
+    413: {"description": "request body over the limit"},
+    429: {"model": ErrorBody, "description": "too many requests in flight; retry after ``Retry-After`` s"},
+}
 
 
 def _refuse(body: _Sampling) -> None:
@@ -191,10 +311,6 @@ def _refuse(body: _Sampling) -> None:
             err = UnsupportedParameterError(f"{name!r} other than 0 is not supported by this server")
             err.param = name
             raise err
-    if body.n not in (None, 1):
-        err = UnsupportedParameterError(f"n={body.n}: only one choice per request (n=1) is supported")
-        err.param = "n"
-        raise err
 
 
 def _stops(stop) -> tuple[str, ...]:
@@ -266,16 +382,32 @@ class _Media:
         if self.tmpdir:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
+    def _store(self, data: bytes, mime: str, want: str) -> tuple[str, str]:
+        """(path, display name) of ``data`` written into the request's folder; counts against the budget."""
+        from specstream.pipeline.server import _media_suffix, upload_display_name
+
+        self.budget -= len(data)
+        ext = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "image/gif": ".gif",
+               "video/mp4": ".mp4", "video/webm": ".webm", "video/quicktime": ".mov"}.get(mime, "")
+        shown = upload_display_name(f"{want}{ext}")
+        if self.tmpdir is None:
+            self.tmpdir = tempfile.mkdtemp(prefix="specstream-openai-")
+        path = os.path.join(self.tmpdir, f"media{secrets.token_hex(4)}" + _media_suffix(shown))
+        with open(path, "wb") as fh:
+            fh.write(data)
+        return path, shown
+
     def open(self, url: str, want: str, param: str) -> tuple[str, str, Any]:
         """(path to read, display name, opened source or None) of a media URL expected to hold ``want``
         (``image`` or ``video``), after sniffing its content.
 
         Raises:
-            UnsupportedParameterError (http(s) and other schemes), InvalidRequestError (bad data URL, too large),
+            UnsupportedParameterError (http(s) without ``allowed_media_domains``, other schemes),
+            MediaUrlNotAllowedError, MediaFetchError (http(s) under the policy: ``specstream.modalities.fetch``),
+            InvalidRequestError (bad data URL, too large),
             UnreadableSourceError (file URL outside the roots or missing), UnsupportedMediaError (wrong kind).
         """
         from specstream.modalities.source import open_source
-        from specstream.pipeline.server import _media_suffix, upload_display_name
         from specstream.stages.caption import media_kind
 
         low = url[:16].lower()
@@ -295,16 +427,17 @@ class _Media:
             if len(data) > self.budget:
                 raise _param(InvalidRequestError(f"media over {self.settings.max_upload_bytes} bytes in this "
                                                  "request (max_upload_bytes)"), param)
-            self.budget -= len(data)
-            mime = (m.group("mime") or "").lower()
-            ext = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "image/gif": ".gif",
-                   "video/mp4": ".mp4", "video/webm": ".webm", "video/quicktime": ".mov"}.get(mime, "")
-            shown = upload_display_name(f"{want}{ext}")
-            if self.tmpdir is None:
-                self.tmpdir = tempfile.mkdtemp(prefix="specstream-openai-")
-            path = os.path.join(self.tmpdir, f"media{secrets.token_hex(4)}" + _media_suffix(shown))
-            with open(path, "wb") as fh:
-                fh.write(data)
+            path, shown = self._store(data, (m.group("mime") or "").lower(), want)
+        elif low.startswith(("http://", "https://")) and self.settings.allowed_media_domains:
+            from specstream.modalities.fetch import FetchPolicy, fetch
+
+            policy = FetchPolicy(tuple(self.settings.allowed_media_domains), self.settings.max_upload_bytes,
+                                 self.settings.media_fetch_timeout_s)
+            try:
+                data, mime = fetch(url, policy, self.budget)
+            except SpecstreamError as exc:
+                raise _param(exc, param) from None
+            path, shown = self._store(data, (mime or "").split(";")[0].strip().lower(), want)
         elif low.startswith("file://"):
             roots = self.settings.allowed_roots
             if not roots:
@@ -314,8 +447,8 @@ class _Media:
             path, shown = opened.path, url
         elif low.startswith(("http://", "https://")):
             raise _param(UnsupportedParameterError(
-                f"this server does not fetch {url.split(':', 1)[0]} URLs (it works offline): send the media as a "
-                "data: URL, or a file:// URL under an allowed root"), param)
+                f"this server does not fetch {url.split(':', 1)[0]} URLs (no --allowed-media-domains): send the media "
+                "as a data: URL, or a file:// URL under an allowed root"), param)
         else:
             raise _param(UnsupportedParameterError(f"unsupported media URL scheme in {url[:40]!r}: use data: or "
                                                    "file://"), param)
@@ -369,12 +502,17 @@ async def _turns(body: ChatRequest, hub, settings) -> tuple[tuple, _Media]:
                     path, _, opened = await asyncio.to_thread(media.open, part.image_url.url, "image", where)
                     try:
                         parts.append(await asyncio.to_thread(load_image, path))
+                    except MediaError as exc:  # a media limit, a damaged image: named by the part
+                        raise _param(exc, getattr(exc, "param", None) or where) from None
                     finally:
                         if opened is not None:
                             opened.close()
                 elif part.type == "video_url" and part.video_url is not None:
-                    parts.extend(await _video_frames(hub, media, part.video_url.url, " ".join(texts), where,
-                                                     settings))
+                    try:
+                        parts.extend(await _video_frames(hub, media, part.video_url.url, " ".join(texts), where,
+                                                         settings))
+                    except MediaError as exc:
+                        raise _param(exc, getattr(exc, "param", None) or where) from None
                 else:
                     raise _param(UnsupportedParameterError(f"content parts of type {part.type!r} are not "
                                                            "supported (text, image_url, video_url)"), where)
@@ -429,9 +567,11 @@ def _logprobs_content(hub_model, gen, tokens: list[int], offset: int = 0) -> lis
     return out
 
 
-def _usage(gen) -> dict[str, int]:
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": len(gen.tokens),
-            "total_tokens": gen.prompt_tokens + len(gen.tokens)}
+def _usage(gens: list) -> dict[str, int]:
+    """OpenAI's usage of one request: the prompt once, the tokens of every choice."""
+    done = sum(len(g.tokens) for g in gens)
+    return {"prompt_tokens": gens[0].prompt_tokens, "completion_tokens": done,
+            "total_tokens": gens[0].prompt_tokens + done}
 
 
 def _sse(obj: Any) -> str:
@@ -459,15 +599,6 @@ def openai_router(app_state) -> APIRouter:
     router = APIRouter()
     json_limit = 4 * (settings.max_upload_bytes // 3 + 1) + FORM_OVERHEAD_BYTES  # base64 media + the rest
 
-    async def read_json(request: Request, model):
-        try:
-            obj = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError):
-            raise InvalidRequestError("the request body must be JSON") from None
-        if not isinstance(obj, dict):
-            raise InvalidRequestError("the request body must be a JSON object")
-        return model.model_validate(obj)
-
     async def complete(request: Request, body: _Sampling, prompt_of, chat: bool):
         """Shared by both completion routes: admission, generation (streamed or not), errors, cleanup."""
         hub = state.hub()
@@ -486,26 +617,30 @@ def openai_router(app_state) -> APIRouter:
             top = body.logprobs or 0
             max_new = body.max_tokens or 16  # OpenAI's default for text completions
         temperature = 1.0 if body.temperature is None else body.temperature
-        seed = body.seed if body.seed is not None else secrets.randbits(31)
-        params = GenerationParams(max_new_tokens=max_new, temperature=temperature, top_p=body.top_p or 1.0,
-                                  seed=seed, stop=_stops(body.stop), logprobs=logprobs, top_logprobs=top)
+        choices = body.n or 1
+        # one random stream per choice: seed + i when the client gave a seed (reproducible), else fresh draws
+        seeds = [body.seed + i if body.seed is not None else secrets.randbits(31) for i in range(choices)]
+        stops = _stops(body.stop)
+        params = [GenerationParams(max_new_tokens=max_new, temperature=temperature, top_p=body.top_p or 1.0,
+                                   seed=seed, stop=stops, logprobs=logprobs, top_logprobs=top) for seed in seeds]
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         state.admit()
         admitted = False
         try:
             if not body.stream:
-                task = asyncio.create_task(hub.generate(prompt, params, model=body.model, qos=QOS_INTERACTIVE))
+                task = asyncio.create_task(hub.generate_many(prompt, params, model=body.model, qos=QOS_INTERACTIVE))
                 watch = asyncio.create_task(_watch_client(request, task))
                 try:
-                    gen = await task
+                    gens = await task
                 finally:
                     watch.cancel()
-                return JSONResponse(_final(rid, created, model, gen, chat, body.return_token_ids))
+                return JSONResponse(_final(rid, created, model, gens, chat, body.return_token_ids))
             queue: asyncio.Queue = asyncio.Queue()
             started = asyncio.Event()
-            task = asyncio.create_task(hub.generate(prompt, params, model=body.model, qos=QOS_INTERACTIVE,
-                                                    on_delta=queue.put_nowait, on_admitted=started.set))
+            task = asyncio.create_task(hub.generate_many(prompt, params, model=body.model, qos=QOS_INTERACTIVE,
+                                                         on_delta=lambda i, d: queue.put_nowait((i, d)),
+                                                         on_admitted=started.set))
             waiter = asyncio.create_task(started.wait())
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
@@ -520,35 +655,34 @@ def openai_router(app_state) -> APIRouter:
             _WATCHERS.add(watch)  # a strong reference until it ends (the loop keeps only weak ones)
             watch.add_done_callback(_WATCHERS.discard)
             return StreamingResponse(_events(task, queue, rid, created, model, chat, logprobs, stream_usage,
-                                             body.return_token_ids),
+                                             body.return_token_ids, choices),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finally:
             if not admitted:
                 state.release()
                 media.close()
 
-    async def handle(request: Request, model, prompt_of_body, chat: bool):
+    async def handle(request: Request, body: _Sampling, prompt_of, chat: bool):
         try:
-            body = await read_json(request, model)
             _refuse(body)
-            return await complete(request, body, lambda hub: prompt_of_body(body, hub), chat)
-        except ValidationError as exc:
-            return _validation_response(exc)
+            return await complete(request, body, prompt_of, chat)
         except Exception as exc:  # noqa: BLE001  every failure is an OpenAI error body
             return exception_response(exc)
 
     @router.post("/v1/chat/completions", summary="OpenAI chat completions (text, images, video; SSE stream)",
-                 max_body_size=json_limit)
-    async def chat_completions(request: Request):
-        async def prompt_of(body: ChatRequest, hub):
+                 max_body_size=json_limit, responses=ERROR_RESPONSES,
+                 response_model=ChatCompletion, openapi_extra=_SSE_DOC)
+    async def chat_completions(request: Request, body: ChatRequest):
+        async def prompt_of(hub):
             turns, media = await _turns(body, hub, settings)
             return Prompt(turns=turns), media
 
-        return await handle(request, ChatRequest, prompt_of, True)
+        return await handle(request, body, prompt_of, True)
 
-    @router.post("/v1/completions", summary="OpenAI text completions", max_body_size=json_limit)
-    async def completions(request: Request):
-        async def prompt_of(body: CompletionRequest, hub):
+    @router.post("/v1/completions", summary="OpenAI text completions", max_body_size=json_limit,
+                 responses=ERROR_RESPONSES, response_model=Completion, openapi_extra=_SSE_DOC)
+    async def completions(request: Request, body: CompletionRequest):
+        async def prompt_of(hub):
             p = body.prompt
             if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
                 return Prompt(ids=tuple(p)), _Media(settings)  # token ids, as they are
@@ -559,16 +693,17 @@ def openai_router(app_state) -> APIRouter:
                 p = p[0]
             return Prompt(text=p), _Media(settings)
 
-        return await handle(request, CompletionRequest, prompt_of, False)
+        return await handle(request, body, prompt_of, False)
 
-    @router.get("/v1/models", summary="OpenAI model list: the models this server serves")
+    @router.get("/v1/models", summary="OpenAI model list: the models this server serves", response_model=ModelList)
     async def models():
         data = [{"id": m.id, "object": "model", "created": state.created, "owned_by": "specstream",
                  "kind": m.kind, "context_length": m.context_length} for m in state.hub().models()]
         return {"object": "list", "data": data}
 
     @router.post("/v1/audio/transcriptions", summary="OpenAI audio transcriptions (Whisper, speculative decoding)",
-                 max_body_size=settings.max_upload_bytes + FORM_OVERHEAD_BYTES)
+                 max_body_size=settings.max_upload_bytes + FORM_OVERHEAD_BYTES, responses=ERROR_RESPONSES,
+                 openapi_extra=_TRANSCRIPTION_DOC)
     async def transcriptions(request: Request):
         try:
             return await _transcription(request, state)
@@ -578,21 +713,25 @@ def openai_router(app_state) -> APIRouter:
     return router
 
 
-def _final(rid: str, created: int, model, gen, chat: bool, token_ids: bool) -> dict[str, Any]:
+def _final(rid: str, created: int, model, gens: list, chat: bool, token_ids: bool) -> dict[str, Any]:
+    """The completion object of ``gens`` (one per choice, ``index`` in order)."""
     hub_model = model
-    if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": gen.text},
-                                  "logprobs": None, "finish_reason": gen.finish_reason}
-        if gen.logprobs is not None:
-            choice["logprobs"] = {"content": _logprobs_content(hub_model, gen, gen.tokens)}
-    else:
-        choice = {"index": 0, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}
-        if gen.logprobs is not None:
-            choice["logprobs"] = _legacy_logprobs(hub_model, gen)
-    if token_ids:
-        choice["token_ids"] = list(gen.tokens)
+    choices = []
+    for index, gen in enumerate(gens):
+        if chat:
+            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": gen.text},
+                                      "logprobs": None, "finish_reason": gen.finish_reason}
+            if gen.logprobs is not None:
+                choice["logprobs"] = {"content": _logprobs_content(hub_model, gen, gen.tokens)}
+        else:
+            choice = {"index": index, "text": gen.text, "logprobs": None, "finish_reason": gen.finish_reason}
+            if gen.logprobs is not None:
+                choice["logprobs"] = _legacy_logprobs(hub_model, gen)
+        if token_ids:
+            choice["token_ids"] = list(gen.tokens)
+        choices.append(choice)
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": gen.model, "system_fingerprint": None, "choices": [choice], "usage": _usage(gen)}
+            "model": gens[0].model, "system_fingerprint": None, "choices": choices, "usage": _usage(gens)}
 
 
 def _legacy_logprobs(hub_model, gen) -> dict[str, Any]:
@@ -614,9 +753,10 @@ def _legacy_logprobs(hub_model, gen) -> dict[str, Any]:
 
 
 async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: int, model, chat: bool,
-                  logprobs: bool, usage: bool, token_ids: bool):
-    """The SSE stream of one request: a role chunk, a chunk per engine step that released text (or tokens with
-    log-probabilities), the final chunk with ``finish_reason``, the usage chunk when asked, ``[DONE]``. When the
+                  logprobs: bool, usage: bool, token_ids: bool, choices: int = 1):
+    """The SSE stream of one request: a role chunk per choice, a chunk per engine step and choice that released
+    text (or tokens with log-probabilities), each choice's final chunk with ``finish_reason``, the usage chunk when
+    asked, ``[DONE]``. Every chunk carries its choice's ``index``; ``queue`` holds ``(index, delta)``. When the
     client goes away (a send fails, or the watcher sees the disconnect) the generation is cancelled."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     mid = model.info.id
@@ -632,8 +772,9 @@ async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: i
     task.add_done_callback(lambda _: done.set())
     try:
         if chat:
-            yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None})
+            for index in range(choices):
+                yield chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
         while True:
             if queue.empty():
                 getter = asyncio.create_task(queue.get())
@@ -645,33 +786,35 @@ async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: i
                     if queue.empty():
                         break
                     continue
-                delta = getter.result()
+                index, delta = getter.result()
             else:
-                delta = queue.get_nowait()
+                index, delta = queue.get_nowait()
             if not delta.text and not (logprobs and delta.tokens):
                 continue
             if chat:
-                choice = {"index": 0, "delta": {"content": delta.text}, "logprobs": None, "finish_reason": None}
+                choice = {"index": index, "delta": {"content": delta.text}, "logprobs": None,
+                          "finish_reason": None}
                 if logprobs:
                     choice["logprobs"] = {"content": [_token_entry(model, t, lp, None) for t, lp in
                                                       zip(delta.tokens, delta.logprobs) if t not in model.eos]}
             else:
-                choice = {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": None}
+                choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": None}
             yield chunk(choice)
         try:
-            gen = task.result()
+            gens = task.result()
         except Exception as exc:  # noqa: BLE001  after the first byte the status is sent: an error event
             err = json.loads(exception_response(exc).body)
             yield _sse(err)
             yield "data: [DONE]\n\n"
             return
-        last = {"index": 0, "logprobs": None, "finish_reason": gen.finish_reason}
-        last.update({"delta": {}} if chat else {"text": ""})
-        if token_ids:
-            last["token_ids"] = list(gen.tokens)
-        yield chunk(last)
+        for index, gen in enumerate(gens):
+            last = {"index": index, "logprobs": None, "finish_reason": gen.finish_reason}
+            last.update({"delta": {}} if chat else {"text": ""})
+            if token_ids:
+                last["token_ids"] = list(gen.tokens)
+            yield chunk(last)
         if usage:
-            yield chunk(None, {"usage": _usage(gen)})
+            yield chunk(None, {"usage": _usage(gens)})
         yield "data: [DONE]\n\n"
     finally:
         if not task.done():
@@ -680,6 +823,15 @@ async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: i
 
 # -- transcriptions -------------------------------------------------------------------------------------------------
 _FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+#: the multipart form ``_transcription`` reads, for /openapi.json (the form is parsed by hand: streamed to disk)
+_TRANSCRIPTION_DOC = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "model"], "properties": {
+        "file": {"type": "string", "format": "binary"}, "model": {"type": "string"},
+        "response_format": {"type": "string", "enum": list(_FORMATS)},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 0}, "language": {"type": "string"},
+        "prompt": {"type": "string"},
+        "timestamp_granularities[]": {"type": "array", "items": {"type": "string", "enum": ["segment", "word"]}}},
+}}}}}
 
 
 async def _transcription(request: Request, state: OpenAIState) -> Response:

@@ -528,6 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600.0, help="--broker: give up after this long without a "
                                                                   "result (default 600)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (drawn only on a terminal)")
+    from specstream.modalities.limits import add_limit_arguments
+
+    add_limit_arguments(p)
     return p
 
 
@@ -550,7 +553,10 @@ def hub_config_from_args(args) -> Any:
 def qa_main(argv: list[str]) -> int:
     """Entry point of ``specstream qa``: 0 all answered, 1 some question failed (error lines in --out), 2 a fatal
     error (raised as SpecstreamError; the CLI prints one line)."""
+    from specstream.modalities.limits import limits_from_args, set_media_limits
+
     args = build_parser().parse_args(argv)
+    set_media_limits(limits_from_args(args))
     for flag, value in (("--max-frames", args.max_frames), ("--max-new-tokens", args.max_new_tokens),
                         ("--concurrency", args.concurrency), ("--num-slots", args.num_slots)):
         if value < 1:

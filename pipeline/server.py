@@ -10,7 +10,8 @@ its limits):
   the ``caption`` command's records (same stage graph);
 - ``GET /healthz`` (process up), ``GET /readyz`` (speech model loaded; every model's state), ``GET /metrics``
   (Prometheus: the device loop's scheduler per model and QoS class, and the server's own metrics), ``GET /docs`` (Swagger UI over ``/openapi.json``,
-  its JavaScript and CSS served by this server from the ``swagger-ui-bundle`` package, so it works offline),
+  its JavaScript and CSS (Swagger UI 5, vendored from npm's ``swagger-ui-dist``) served by this server, so it
+  works offline),
   ``GET /subtitles`` (page).
 
 ``specstream serve [--host 127.0.0.1] [--port 8000] [--caption-target DIR] ...`` runs it; settings come from
@@ -90,6 +91,13 @@ class ServerSettings(BaseSettings):
         realtime_max_append_bytes: decoded audio bytes one ``input_audio_buffer.append`` event of ``/v1/realtime``
             may carry (more: OpenAI's ``error`` event, nothing of it used); its base64 frame must also fit
             ``max_frame_bytes``.
+        allowed_media_domains: hosts (names or IP literals) whose http(s) image and video URLs the chat route
+            fetches (``specstream.modalities.fetch``: listed hosts only, public addresses unless the address is
+            listed, no redirects elsewhere, at most ``max_upload_bytes``); empty (default): nothing is fetched.
+        media_fetch_timeout_s: one fetch, redirects included, at most (seconds).
+        max_image_pixels, max_decoded_bytes: media limits (``specstream.modalities.limits``): pixels of one image or
+            video frame, decoded bytes of one image (all its frames) or one video frame; checked from the header
+            before decoding, on every route (a 400 ``media_too_large`` with ``param``, or a caption error record).
         agree_span_s: the commit policy's agreement span (``StreamConfig.agree_span_s``): 0 (default) commits a
             complete segment once two consecutive passes agree on it (LocalAgreement-2); longer spans wait for that
             much more audio (see the table in ``docs/benchmarks.md``).
@@ -124,7 +132,38 @@ class ServerSettings(BaseSettings):
     speech_slots: int = 16
     min_hop_s: float = Field(0.5, gt=0.0)
     agree_span_s: float = Field(0.0, ge=0.0)
+    allowed_media_domains: list[str] = Field(default_factory=list)
+    media_fetch_timeout_s: float = Field(10.0, gt=0.0)
+    max_image_pixels: int = Field(50_000_000, ge=1)
+    max_decoded_bytes: int = Field(1 << 30, ge=1)
     realtime_max_append_bytes: int = Field(128 * 1024, ge=1024)
+
+
+class CaptionResponse(BaseModel):
+    """``POST /v1/captions``: the ``caption`` command's records (a caption or an ``error`` each)."""
+
+    records: list[dict[str, Any]]
+
+
+class HttpDetail(BaseModel):
+    """FastAPI's error body: ``detail`` is a message (or, for a 422 from the form's types, a list of errors)."""
+
+    detail: str | list[dict[str, Any]]
+
+
+class CodedError(BaseModel):
+    error: dict[str, str]
+
+
+CAPTION_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": HttpDetail, "description": "a body that is not a parsable multipart form"},
+    403: {"model": HttpDetail, "description": "source_uri disabled or outside the allowed roots"},
+    404: {"model": HttpDetail, "description": "source_uri names no file"},
+    413: {"model": HttpDetail, "description": "upload over max_upload_bytes"},
+    422: {"model": HttpDetail, "description": "not exactly one of file and source_uri, or a bad form field"},
+    429: {"model": CodedError, "description": "caption queue full (Retry-After)"},
+    503: {"model": CodedError, "description": "the caption model failed to load"},
+}
 
 
 class StartMessage(BaseModel):
@@ -724,7 +763,10 @@ def create_app(settings: ServerSettings | None = None, speech=None):
 
     from specstream.errors import ModelNotLoadedError
 
+    from specstream.modalities.limits import MediaLimits, set_media_limits
+
     settings = settings or ServerSettings()
+    set_media_limits(MediaLimits(settings.max_image_pixels, settings.max_decoded_bytes))
     state = AppState(settings, speech)
 
     @asynccontextmanager
@@ -747,7 +789,8 @@ def create_app(settings: ServerSettings | None = None, speech=None):
     async def healthz() -> dict:
         return {"status": "ok", "sessions": state.sessions}
 
-    @app.get("/readyz", summary="models loaded; ready for subtitle sessions")
+    @app.get("/readyz", summary="models loaded; ready for subtitle sessions",
+             responses={503: {"description": "loading, or a model failed (``error`` says why)"}})
     async def readyz():
         models = state.models()
         if state.ready:
@@ -755,7 +798,9 @@ def create_app(settings: ServerSettings | None = None, speech=None):
         return JSONResponse({"status": "loading" if state.load_error is None else "failed",
                              "error": state.load_error, "models": models}, status_code=503)
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -769,7 +814,8 @@ def create_app(settings: ServerSettings | None = None, speech=None):
         return HTMLResponse(SUBTITLES_HTML)
 
     @app.post("/v1/captions", summary="caption an image or video (upload or source_uri)",
-              max_body_size=settings.max_upload_bytes + FORM_OVERHEAD_BYTES,
+              max_body_size=settings.max_upload_bytes + FORM_OVERHEAD_BYTES, response_model=CaptionResponse,
+              responses=CAPTION_ERRORS,
               form_limits={"max_files": 1, "max_fields": 8, "max_part_size": FORM_OVERHEAD_BYTES // 2})
     async def captions(file: UploadFile | None = File(None), source_uri: str | None = Form(None),
                        prompt: str = Form("Describe this image."), max_new_tokens: int = Form(32, ge=1, le=4096),
@@ -842,7 +888,28 @@ def create_app(settings: ServerSettings | None = None, speech=None):
         finally:
             state.sessions -= 1
 
-    from specstream.pipeline.openai_api import openai_router
+    from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from specstream.pipeline.openai_api import OPENAI_JSON_ROUTES, openai_router, validation_response
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_model_errors(request, exc: RequestValidationError):
+        # the OpenAI routes answer a body that breaks their request model in OpenAI's shape (400); the others
+        # keep FastAPI's 422
+        if request.url.path in OPENAI_JSON_ROUTES:
+            return validation_response(list(exc.errors()))
+        return await request_validation_exception_handler(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_errors(request, exc: StarletteHTTPException):
+        # a body FastAPI cannot parse (400), one over the limit (413): OpenAI's shape on the OpenAI routes
+        if request.url.path in OPENAI_JSON_ROUTES:
+            from specstream.pipeline.openai_api import exception_response
+
+            return exception_response(exc)
+        return await http_exception_handler(request, exc)
 
     app.include_router(openai_router(state))
     from specstream.pipeline.realtime import realtime_router
@@ -881,28 +948,21 @@ def _media_suffix(name: str) -> str:
 DOCS_ASSETS = "/docs/assets"
 
 
+SWAGGER_UI_DIR = Path(__file__).parent / "static" / "swagger-ui"  # swagger-ui-dist 5.x from npm (VENDORED.txt)
+
+
 def _add_docs(app) -> None:
-    """``/docs``: Swagger UI with its assets served from the ``swagger-ui-bundle`` package (FastAPI's default
-    page loads them from a CDN, which is blank offline). Without the package, ``/docs`` says so and points to
-    ``/openapi.json``. ReDoc (CDN only) is not offered."""
+    """``/docs``: Swagger UI 5 (it reads the OpenAPI 3.1 that FastAPI emits; 4.x shows "Unable to render this
+    definition"), its script, style sheet and licence served by this app from ``pipeline/static/swagger-ui``
+    (vendored from npm's ``swagger-ui-dist``; FastAPI's default page loads them from a CDN, blank offline).
+    ReDoc (CDN only) is not offered."""
     from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
 
-    try:
-        from swagger_ui_bundle import swagger_ui_path
-    except ImportError:
-        swagger_ui_path = None
-
-    if swagger_ui_path is not None:
-        from fastapi.staticfiles import StaticFiles
-
-        app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(SWAGGER_UI_DIR)), name="docs-assets")
 
     @app.get("/docs", include_in_schema=False)
     async def docs():
-        if swagger_ui_path is None:
-            return HTMLResponse("<p>The API page needs the <code>swagger-ui-bundle</code> package "
-                                "(<code>pip install 'specstream[serve]'</code>). The API description is at "
-                                "<a href='/openapi.json'>/openapi.json</a>.</p>", status_code=503)
         return get_swagger_ui_html(openapi_url=app.openapi_url, title="specstream API",
                                    swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
                                    swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
@@ -938,7 +998,9 @@ async def _run_captions(state: AppState, path: str, prompt: str, max_new_tokens:
 SERVE_FLAGS = {"host": "--host", "port": "--port", "api_keys": "--api-key", "allowed_roots": "--allowed-root",
                "agree_span_s": "--agree-span-s", "caption_target": "--caption-target",
                "caption_draft": "--caption-draft", "speech_model": "--speech-model", "text_model": "--text-model",
-               "text_draft": "--text-draft", "clip_model": "--clip-model", "clip_pretrained": "--clip-pretrained"}
+               "text_draft": "--text-draft", "clip_model": "--clip-model", "clip_pretrained": "--clip-pretrained",
+               "allowed_media_domains": "--allowed-media-domains", "media_fetch_timeout_s": "--media-fetch-timeout-s",
+               "max_image_pixels": "--max-image-pixels", "max_decoded_bytes": "--max-decoded-bytes"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -973,6 +1035,18 @@ def build_parser() -> argparse.ArgumentParser:
                              "(SPECSTREAM_CLIP_MODEL)")
     parser.add_argument("--clip-pretrained", default=None, help="local weights of --clip-model "
                                                                 "(SPECSTREAM_CLIP_PRETRAINED)")
+    parser.add_argument("--allowed-media-domains", nargs="+", action="extend", default=None, metavar="HOST",
+                        help="hosts whose http(s) media URLs chat requests may name (default none: nothing is "
+                             "fetched; private/loopback addresses only when the address is listed; "
+                             "SPECSTREAM_ALLOWED_MEDIA_DOMAINS, a JSON list)")
+    parser.add_argument("--media-fetch-timeout-s", type=float, default=None,
+                        help="one media fetch at most (default 10; SPECSTREAM_MEDIA_FETCH_TIMEOUT_S)")
+    parser.add_argument("--max-image-pixels", type=int, default=None,
+                        help="pixels of one image or video frame, at most (default 50000000; "
+                             "SPECSTREAM_MAX_IMAGE_PIXELS)")
+    parser.add_argument("--max-decoded-bytes", type=int, default=None,
+                        help="decoded bytes of one image (all frames) or video frame, at most (default 1 GiB; "
+                             "SPECSTREAM_MAX_DECODED_BYTES)")
     parser.add_argument("--log-level", default="info",
                         help="uvicorn log level: debug, info, warning, error (default info)")
     return parser
@@ -992,7 +1066,10 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                          ("agree_span_s", args.agree_span_s), ("caption_target", args.caption_target),
                          ("caption_draft", args.caption_draft), ("speech_model", args.speech_model),
                          ("text_model", args.text_model), ("text_draft", args.text_draft),
-                         ("clip_model", args.clip_model), ("clip_pretrained", args.clip_pretrained)):
+                         ("clip_model", args.clip_model), ("clip_pretrained", args.clip_pretrained),
+                         ("allowed_media_domains", args.allowed_media_domains),
+                         ("media_fetch_timeout_s", args.media_fetch_timeout_s),
+                         ("max_image_pixels", args.max_image_pixels), ("max_decoded_bytes", args.max_decoded_bytes)):
         if value is not None:
             over[field] = value
     try:

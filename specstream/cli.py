@@ -240,11 +240,17 @@ def _add_caption(sub) -> None:
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--num-slots", type=int, default=8, help="captions decoded together in one batch (default 8)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (drawn only on a terminal)")
+    from specstream.modalities.limits import add_limit_arguments
+
+    add_limit_arguments(p)
     p.set_defaults(func=cmd_caption)
 
 
 def cmd_caption(args) -> int:
+    from specstream.modalities.limits import limits_from_args, set_media_limits
     from specstream.pipeline.caption_job import run_caption_job
+
+    set_media_limits(limits_from_args(args))
     from specstream.stages.speculative.drafters.model import TreeSpec
 
     try:

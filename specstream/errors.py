@@ -124,6 +124,18 @@ class CorruptMediaError(MediaError):
     code = "corrupt_media"
 
 
+class MediaLimitError(MediaError):
+    """An image or video frame whose header states more pixels, or more decoded bytes, than the limits allow
+    (``specstream.modalities.limits``); nothing of it was decoded. ``limit`` names the setting (``max_pixels`` or
+    ``max_decoded_bytes``)."""
+
+    code = "media_too_large"
+
+    def __init__(self, message: str, limit: str):
+        super().__init__(message)
+        self.limit = limit
+
+
 class DecodeTimeoutError(MediaError):
     """Decoding made no progress within the allowed time (a hung decoder); the decoding process was killed."""
 
@@ -159,9 +171,24 @@ class ModelNotLoadedError(InvalidRequestError):
     code = "model_not_loaded"
 
 
+class MediaUrlNotAllowedError(InvalidRequestError):
+    """A remote media URL the server's policy refuses: its host is not in ``--allowed-media-domains``, it resolves
+    to a private, loopback or link-local address that is not listed itself, or it redirects to such a place."""
+
+    code = "media_url_not_allowed"
+
+
+class MediaFetchError(MediaError):
+    """A remote media URL allowed by the policy could not be fetched: connection failed, timed out, answered an
+    HTTP error, too many redirects."""
+
+    code = "media_fetch_failed"
+    retryable = True
+
+
 class UnsupportedParameterError(InvalidRequestError):
-    """A request parameter has a value this server does not implement (e.g. ``n > 1``, tools, an http(s) media
-    URL); the message names the parameter."""
+    """A request parameter has a value this server does not implement (e.g. tools, an http(s) media URL without
+    ``--allowed-media-domains``); the message names the parameter."""
 
     code = "unsupported_parameter"
 

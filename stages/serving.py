@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import inspect
 import itertools
 import os
@@ -555,19 +556,57 @@ class ModelHub:
             ModelNotLoadedError, ContextLengthError (prompt + max_new_tokens over the context),
             InvalidRequestError, CapacityError (queue full), NumericalError, SpecstreamError.
         """
+        gens = await self.generate_many(prompt, (params,), model=model, kind=kind, qos=qos, hypothesis=hypothesis,
+                                        on_delta=None if on_delta is None else (lambda _i, d: on_delta(d)),
+                                        on_admitted=on_admitted)
+        return gens[0]
+
+    async def generate_many(self, prompt: Prompt, params: Sequence[GenerationParams], *, model: str | None = None,
+                            kind: str = "vlm", qos: str = QOS_INTERACTIVE, hypothesis: Sequence[int] | None = None,
+                            on_delta: Callable[[int, "Delta"], None] | None = None,
+                            on_admitted: Callable[[], None] | None = None) -> list[Generation]:
+        """``len(params)`` choices of one prompt (OpenAI's ``n``): the prompt is prepared once (chat template,
+        tokenisation, image preprocessing), then one request per choice is submitted to the device loop at once,
+        each with its own ``GenerationParams`` (its own seed: its own random stream), so the choices decode as rows
+        of the same steps. The engine has no prefix sharing between KV cache slots, so each row prefills the prompt
+        itself (in the same forwards). ``on_delta(choice index, delta)``; ``on_admitted`` once every choice was
+        queued. Cancelling the awaiting task cancels every choice. Raises as :meth:`generate`."""
+        if not params:
+            raise InvalidRequestError("at least one choice")
         m = await self.model(self.kind_of(model, kind))
         ids, prep, visual = await asyncio.to_thread(m.prepare, prompt)
         n = len(ids)
         if n >= m.context:
             raise ContextLengthError(f"the prompt has {n} tokens ({visual} of them image tokens) but model "
                                      f"{m.info.id!r} takes at most {m.context} tokens (prompt + at least one new)")
-        max_new = params.max_new_tokens if params.max_new_tokens is not None else m.context - n
+        max_new = params[0].max_new_tokens if params[0].max_new_tokens is not None else m.context - n
         if n + max_new > m.context:
             raise ContextLengthError(f"the prompt has {n} tokens ({visual} of them image tokens) and "
                                      f"{max_new} new tokens were asked for, but model {m.info.id!r} takes at most "
                                      f"{m.context} tokens in all")
         if not m.eos:
             raise InvalidRequestError(f"model {m.info.id!r} names no end-of-sequence token")
+        admitted = [0]
+
+        def one_admitted() -> None:
+            admitted[0] += 1
+            if admitted[0] == len(params) and on_admitted is not None:
+                on_admitted()
+
+        tasks = [asyncio.ensure_future(self._one(m, ids, prep, visual, max_new, p, qos, hypothesis,
+                                                 None if on_delta is None else functools.partial(on_delta, i),
+                                                 one_admitted)) for i, p in enumerate(params)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # one choice failed, or the caller cancelled: the others end too
+                if not t.done():
+                    t.cancel()
+
+    async def _one(self, m, ids, prep, visual, max_new, params: GenerationParams, qos, hypothesis, on_delta,
+                   on_admitted) -> Generation:
+        """One choice of :meth:`generate_many`: its request, submitted and followed to its end."""
+        n = len(ids)
         if prep is not None:
             req = m.make_request(prep, max_new, params, qos, hypothesis, ())
         else:

