@@ -32,6 +32,7 @@ distribution (invariant 2): verification sees the masked target scores as it see
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Sequence
 
@@ -97,6 +98,11 @@ def _compiler(info):
         return comp
 
 
+def _library_message(exc: Exception) -> str:
+    """xgrammar's error text without its log prefix (``[hh:mm:ss] /path/file.cc:123: ``)."""
+    return re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+
+
 def _run_with_limit(fn, timeout_s: float, what: str):
     """Run ``fn()`` in a daemon thread; its result, its exception, or SchemaCompileTimeoutError after
     ``timeout_s`` seconds."""
@@ -134,7 +140,7 @@ class Grammar:
         self.schema = schema
 
     @classmethod
-    def from_json_schema(cls, schema: dict | str, info, timeout_s: float = SCHEMA_COMPILE_TIMEOUT_S) -> "Grammar":
+    def from_json_schema(cls, schema: dict | str, info, timeout_s: float | None = None) -> "Grammar":
         """Compile a JSON Schema (a dict or its JSON text) for the vocabulary ``info`` (:func:`tokenizer_info`).
 
         The output format is fixed: no free whitespace, separators ``", "`` and ``": "``, properties in the
@@ -142,7 +148,8 @@ class Grammar:
 
         Raises:
             InvalidSchemaError: not JSON, not an object, or a schema the library cannot compile.
-            SchemaCompileTimeoutError: compiling took longer than ``timeout_s`` seconds.
+            SchemaCompileTimeoutError: compiling took longer than ``timeout_s`` seconds (default
+                :data:`SCHEMA_COMPILE_TIMEOUT_S`).
         """
         if isinstance(schema, str):
             try:
@@ -158,16 +165,16 @@ class Grammar:
             return comp.compile_json_schema(text, any_whitespace=False, separators=(", ", ": "))
 
         try:
-            compiled = _run_with_limit(build, timeout_s, "JSON Schema")
+            compiled = _run_with_limit(build, SCHEMA_COMPILE_TIMEOUT_S if timeout_s is None else timeout_s,
+                                       "JSON Schema")
         except SchemaCompileTimeoutError:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its own message
-            raise InvalidSchemaError(f"the schema cannot be compiled: {exc}") from exc
+            raise InvalidSchemaError(f"the schema cannot be compiled: {_library_message(exc)}") from exc
         return cls(compiled, info.vocab_size, schema)
 
     @classmethod
-    def from_ebnf(cls, ebnf: str, info, root: str = "root", timeout_s: float = SCHEMA_COMPILE_TIMEOUT_S
-                  ) -> "Grammar":
+    def from_ebnf(cls, ebnf: str, info, root: str = "root", timeout_s: float | None = None) -> "Grammar":
         """Compile an EBNF grammar (xgrammar's GBNF dialect) whose start rule is ``root``.
 
         Raises:
@@ -175,12 +182,12 @@ class Grammar:
         """
         comp = _compiler(info)
         try:
-            compiled = _run_with_limit(lambda: comp.compile_grammar(ebnf, root_rule_name=root), timeout_s,
-                                       "grammar")
+            compiled = _run_with_limit(lambda: comp.compile_grammar(ebnf, root_rule_name=root),
+                                       SCHEMA_COMPILE_TIMEOUT_S if timeout_s is None else timeout_s, "grammar")
         except SchemaCompileTimeoutError:
             raise
         except Exception as exc:
-            raise InvalidSchemaError(f"the grammar cannot be compiled: {exc}") from exc
+            raise InvalidSchemaError(f"the grammar cannot be compiled: {_library_message(exc)}") from exc
         return cls(compiled, info.vocab_size)
 
     @property
@@ -226,6 +233,8 @@ class GrammarConstraint(LogitsProcessor):
         begin_index: history length at which the constrained output starts (the prompt's length).
         committed: output tokens accepted into the committed matcher.
         nodes_advanced: tree-node states computed so far (one fork + one token each; a work counter for tests).
+        restarts: times a history did not extend the committed output and the state was rebuilt from the
+            grammar's start (0 in the engine; a counter for tests).
     """
 
     def __init__(self, grammar: Grammar, begin_index: int):
@@ -233,6 +242,7 @@ class GrammarConstraint(LogitsProcessor):
         self.begin_index = int(begin_index)
         self.committed: list[int] = []
         self.nodes_advanced = 0
+        self.restarts = 0
         self._matcher = _xgr().GrammarMatcher(grammar.compiled)
         self._broken = False  # a committed token the grammar refused (cannot happen when the mask was applied)
         self._nodes: dict[tuple[int, ...], _Node] = {}
@@ -245,6 +255,7 @@ class GrammarConstraint(LogitsProcessor):
             new = output[n:]
         else:  # another history (cannot happen in the engine): start again from the grammar's beginning
             self._matcher.reset()
+            self.restarts += 1
             self.committed, self._broken, new = [], False, output
         if not new:
             return
@@ -272,26 +283,29 @@ class GrammarConstraint(LogitsProcessor):
         self._nodes[rel] = node
         return node
 
-    def _prepare(self, sequences: Sequence[Sequence[int]], begin: int | None = None
-                 ) -> list[tuple[int, ...] | None]:
-        """Commit to the shortest history's output (the root row's) and return each row's path past it."""
+    def _prepare(self, sequences: Sequence[Sequence[int]], begin: int | None = None,
+                 context_len: int | None = None) -> list[tuple[int, ...] | None]:
+        """Commit to the first ``context_len`` tokens of the histories (default: the shortest history, the
+        root row's) and return each row's path past them."""
         begin = self.begin_index if begin is None else begin
         lens = [len(s) for s in sequences]
-        base = min(lens)
+        base = min(lens) if context_len is None else int(context_len)
         if base < begin:
             return [None] * len(sequences)
         root = min(range(len(sequences)), key=lens.__getitem__)
-        self._commit_to(list(sequences[root][begin:]))
+        self._commit_to(list(sequences[root][begin:base]))
         start = begin + len(self.committed)
         return [tuple(int(t) for t in seq[start:]) for seq in sequences]
 
     # -- masks ----------------------------------------------------------------------------------------------
-    def masks(self, sequences: Sequence[Sequence[int]], begin: int | None = None
+    def masks(self, sequences: Sequence[Sequence[int]], begin: int | None = None, context_len: int | None = None
               ) -> tuple[torch.Tensor, list[bool]]:
         """Packed masks of the rows whose histories are ``sequences``: ``([N, W] int32 on the host, live)``;
         ``live[i]`` False = row ``i`` is not constrained (see the class docstring). ``begin``: where the output
-        starts in these histories (default :attr:`begin_index`; a drafter's prompt may be shorter)."""
-        rels = self._prepare(sequences, begin)
+        starts in these histories (default :attr:`begin_index`; a drafter's prompt may be shorter); ``context_len``:
+        how many tokens of every history are prompt + committed output (default: the shortest history's length;
+        a drafter's rows below the root pass it)."""
+        rels = self._prepare(sequences, begin, context_len)
         words = self.grammar.mask_words
         out = torch.zeros((len(sequences), words), dtype=torch.int32)
         live = [False] * len(sequences)
@@ -310,11 +324,11 @@ class GrammarConstraint(LogitsProcessor):
             live[i] = True
         return out, live
 
-    def allowed(self, sequences: Sequence[Sequence[int]], vocab: int, device, begin: int | None = None
-                ) -> torch.Tensor | None:
+    def allowed(self, sequences: Sequence[Sequence[int]], vocab: int, device, begin: int | None = None,
+                context_len: int | None = None) -> torch.Tensor | None:
         """``[N, vocab]`` bool on ``device`` (True = allowed; tokens at or past the grammar's vocabulary are
         forbidden in constrained rows, allowed in unconstrained ones), or None when no row is constrained."""
-        packed, live = self.masks(sequences, begin)
+        packed, live = self.masks(sequences, begin, context_len)
         if not any(live):
             return None
         dev_mask = unpack_bitmask(packed.to(device), self.grammar.vocab_size)  # [N, Vg]
@@ -361,8 +375,11 @@ class DraftView:
     def forced_tokens(self, context: Sequence[int], limit: int) -> list[int]:
         return self.constraint.forced_tokens(context, limit, self.begin)
 
-    def allowed(self, sequences: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor | None:
-        return self.constraint.allowed(sequences, vocab, device, self.begin)
+    def allowed(self, sequences: Sequence[Sequence[int]], vocab: int, device, context_len: int
+                ) -> torch.Tensor | None:
+        """Masks of draft rows ``[N, vocab]`` bool; every history starts with the ``context_len`` tokens of
+        prompt + committed output."""
+        return self.constraint.allowed(sequences, vocab, device, self.begin, context_len)
 
 
 def grammar_constraint_of(processors: Sequence[LogitsProcessor]) -> GrammarConstraint | None:

@@ -257,7 +257,7 @@ class ModelDrafter(Drafter):
         any_masked = False
         for i, rs in by_req.items():
             hist = [inputs[i].context + trees[i].path_tokens(rows[r][1]) for r in rs]
-            mask = inputs[i].constraint.allowed(hist, logits.shape[-1], logits.device)
+            mask = inputs[i].constraint.allowed(hist, logits.shape[-1], logits.device, len(inputs[i].context))
             if mask is not None:
                 allowed[torch.tensor(rs, device=logits.device)] = mask
                 any_masked = True
