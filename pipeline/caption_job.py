@@ -72,13 +72,15 @@ def expand_inputs(inputs: list[str]) -> list[str]:
 async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt: str, max_new_tokens: int,
                             max_keyframes_per_minute: float | None, attention_maps: Path | None,
                             qos: str = "batch", progress=None, broker: InProcessBroker | None = None,
-                            max_in_flight: int = 8, allowed_roots: list[Path] | None = None) -> CaptionJobSummary:
+                            max_in_flight: int = 8, allowed_roots: list[Path] | None = None,
+                            schema: dict | None = None) -> CaptionJobSummary:
     """Run the graph over ``inputs``; write one JSON line per caption / failed input to ``out``.
 
     ``broker``: the in-process broker to run on (default: one whose frames topic holds ``FRAMES_TOPIC_BOUND``
     frames); ``max_in_flight``: the caption stage's window. Together they bound the full-resolution frames in
     memory, whatever the videos' length (backpressure back to the decoding child). ``allowed_roots``: directories
-    the inputs must lie in, checked when each is opened (None: any path; the command line's own inputs)."""
+    the inputs must lie in, checked when each is opened (None: any path; the command line's own inputs).
+    ``schema``: a JSON Schema every caption follows (``CaptionParams.schema``)."""
     summary = CaptionJobSummary(inputs=len(inputs))
     if broker is None:
         broker = InProcessBroker(topic_maxsize={TOPIC_FRAMES: FRAMES_TOPIC_BOUND})
@@ -87,6 +89,8 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
     params = {"prompt": prompt, "max_new_tokens": max_new_tokens}
     if max_keyframes_per_minute:
         params["max_keyframes_per_minute"] = max_keyframes_per_minute
+    if schema is not None:
+        params["schema"] = schema
     ids = []
     for i, path in enumerate(inputs):
         rid = f"input-{i}"
@@ -156,12 +160,15 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
                     max_keyframes_per_minute: float | None = None, attention_maps: str | None = None,
                     tree: str = "1,1,3,1,1,1,1,1", temporal: bool = True, visual_aware: bool = True,
                     dtype: str = "float32", device: str = "cpu", num_slots: int = 8,
-                    show_progress: bool | None = None) -> CaptionJobSummary:
+                    show_progress: bool | None = None, schema: dict | None = None) -> CaptionJobSummary:
     """Caption ``inputs`` (files or directories) into ``out_path`` (JSONL; ``-`` for stdout; missing parent
-    directories are created).
+    directories are created). With ``schema`` (a JSON Schema) every caption is grammar-constrained to it and its
+    record's ``caption`` is the parsed JSON value; the schema is compiled once the model is loaded, before any
+    input is read.
 
     Raises:
         UnreadableSourceError: no media file among ``inputs``.
+        InvalidSchemaError, SchemaCompileTimeoutError: a schema the grammar library cannot compile in time.
         ValueError: a malformed ``tree`` (see ``TreeSpec.parse``).
     """
     from specstream.pipeline.defaults import default_caption_models
@@ -178,6 +185,12 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
         drafts = list(drafts) or [str(default_draft)]
     captioner = Captioner(target, drafts, tree_spec, temporal=temporal, visual_aware=visual_aware,
                           num_slots=num_slots, dtype=dtype, device=device, attention_maps=attention_maps is not None)
+    if schema is not None:
+        try:
+            captioner.grammar(schema)  # a schema that cannot compile fails the job before any decoding
+        except BaseException:
+            captioner.loop.stop()
+            raise
     show = sys.stderr.isatty() if show_progress is None else show_progress
     progress = None
     if show:
@@ -189,7 +202,8 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
     try:
         return asyncio.run(run_caption_graph(files, captioner, out, prompt, max_new_tokens,
                                              max_keyframes_per_minute,
-                                             Path(attention_maps) if attention_maps else None, progress=progress))
+                                             Path(attention_maps) if attention_maps else None, progress=progress,
+                                             schema=schema))
     finally:
         captioner.loop.stop()  # the process's device loop: its thread ends with the job
         if progress is not None:

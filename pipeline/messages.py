@@ -32,10 +32,19 @@ class Source(BaseModel):
 
 
 class CaptionParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # the field is ``schema_`` in Python (``BaseModel.schema`` is pydantic's), ``schema`` on the wire
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
     prompt: str = "Describe this image."
     max_new_tokens: int = Field(32, ge=1, le=4096)
     max_keyframes_per_minute: float | None = Field(None, gt=0)
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description=(
+        "a JSON Schema the caption must follow (grammar-constrained decoding): the record's caption is then the "
+        "parsed JSON object, or the partial text with finish_reason 'length'; a schema that cannot be compiled "
+        "is an 'invalid_schema' error record"))
+
+    @property
+    def schema(self) -> dict[str, Any] | None:
+        return self.schema_
 
 
 class Question(BaseModel):
@@ -116,10 +125,12 @@ class CaptionRecord(BaseModel):
     kind: Literal["video", "image"]
     frame_index: int
     timestamp_s: float
-    caption: str
+    caption: str | dict[str, Any] | list[Any] | int | float | bool | None = Field(description=(
+        "the caption text; with a schema, the parsed JSON value (the partial text when finish_reason is 'length')"))
     tokens: list[int]
     scene_score: float
     stats: dict[str, Any]
+    finish_reason: Literal["eos", "length"] | None = Field(None, description="with a schema only")
 
 
 class ErrorInfo(BaseModel):

@@ -208,3 +208,85 @@ def test_schema_compilation_is_cut_off_at_the_named_limit(info, monkeypatch):
     with pytest.raises(SchemaCompileTimeoutError, match="SCHEMA_COMPILE_TIMEOUT_S") as e:
         Grammar.from_json_schema(big, info)
     assert e.value.code == "schema_compile_timeout"
+
+
+# -- the pipeline surface: `caption --schema` (built-in tiny VLM, untrained: the content is gibberish, the shape
+# is the schema's) ---------------------------------------------------------------------------------------------
+
+CAPTION_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "objects": {"type": "array", "items": {"enum": ["person", "cat", "rocket"]}, "maxItems": 2},
+        "action": {"enum": ["standing", "flying"]},
+        "text_on_screen": {"type": "boolean"},
+    },
+    "required": ["objects", "action", "text_on_screen"],
+    "additionalProperties": False,
+}
+
+
+def test_cli_caption_schema_records_are_parsed_objects_that_validate(tmp_path, src):
+    from specstream.cli import main
+
+    schema_file = tmp_path / "S.json"
+    schema_file.write_text(json.dumps(CAPTION_SCHEMA))
+    out = tmp_path / "captions.jsonl"
+    assert main(["caption", src["astronaut"], src["rocket"], "--out", str(out), "--schema", str(schema_file),
+                 "--max-new-tokens", "64", "--no-progress"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2
+    for rec in records:
+        assert rec["finish_reason"] == "eos"
+        jsonschema.validate(rec["caption"], CAPTION_SCHEMA)
+
+
+def test_caption_schema_cut_by_the_token_limit_keeps_the_partial_text(tmp_path, src):
+    from specstream.pipeline.caption_job import run_caption_job
+
+    out = tmp_path / "captions.jsonl"
+    run_caption_job([src["astronaut"]], str(out), max_new_tokens=3, schema=CAPTION_SCHEMA, show_progress=False)
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["finish_reason"] == "length" and len(rec["tokens"]) == 3
+    assert isinstance(rec["caption"], str) and rec["caption"] and '{"objects": ['.startswith(rec["caption"])
+
+
+def test_cli_caption_bad_schema_is_a_typed_error_before_decoding(tmp_path, src, capsys):
+    from specstream.cli import main
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "nosuchtype"}')
+    out = tmp_path / "o.jsonl"
+    assert main(["caption", src["astronaut"], "--out", str(out), "--schema", str(bad), "--no-progress"]) != 0
+    err = capsys.readouterr().err
+    assert "invalid_schema" in err and "nosuchtype" in err
+    assert not out.exists() or out.read_text() == ""
+    bad.write_text("{not json")
+    assert main(["caption", src["astronaut"], "--out", str(out), "--schema", str(bad), "--no-progress"]) != 0
+    assert "invalid_schema" in capsys.readouterr().err
+
+
+def test_caption_request_schema_that_cannot_compile_is_an_error_record(tmp_path, src):
+    """The path of a Kafka / HTTP caption request (``params.schema``): the caption stage compiles the schema
+    before decoding and a failure is that input's typed error record."""
+    import asyncio
+    import io
+
+    from specstream.pipeline.caption_job import run_caption_graph
+    from specstream.pipeline.defaults import default_caption_models
+    from specstream.pipeline.messages import PipelineRequest
+    from specstream.stages.caption import Captioner
+    from specstream.stages.speculative.drafters.model import TreeSpec
+
+    req = PipelineRequest.model_validate({"id": "r1", "task": "caption", "source": {"uri": src["astronaut"]},
+                                          "params": {"schema": CAPTION_SCHEMA}})
+    assert req.params["schema"] == CAPTION_SCHEMA
+    target, draft = default_caption_models()
+    captioner = Captioner(target, [str(draft)], TreeSpec.parse("1,1,1"), num_slots=2)
+    try:
+        out = io.StringIO()
+        asyncio.run(run_caption_graph([src["astronaut"]], captioner, out, "Describe this image.", 8, None, None,
+                                      schema={"type": "object", "properties": {"a": {"type": "nosuchtype"}}}))
+        (rec,) = [json.loads(line) for line in out.getvalue().splitlines()]
+        assert rec["error"]["code"] == "invalid_schema" and "nosuchtype" in rec["error"]["message"]
+    finally:
+        captioner.loop.stop()
