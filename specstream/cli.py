@@ -202,22 +202,10 @@ def cmd_generate(args) -> int:
 
 
 def _read_schema(path: Path) -> dict:
-    """``--schema S.json``: the JSON Schema object in the file (before any model loads).
+    """``--schema S.json`` (:func:`specstream.stages.speculative.grammar.read_schema_file`)."""
+    from specstream.stages.speculative.grammar import read_schema_file
 
-    Raises:
-        InvalidSchemaError: unreadable, not JSON, or not a JSON object.
-    """
-    import json
-
-    from specstream.errors import InvalidSchemaError
-
-    try:
-        schema = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidSchemaError(f"--schema {path}: {exc}") from None
-    if not isinstance(schema, dict):
-        raise InvalidSchemaError(f"--schema {path}: a JSON Schema must be an object")
-    return schema
+    return read_schema_file(path)
 
 
 def _add_caption(sub) -> None:

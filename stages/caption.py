@@ -624,6 +624,8 @@ class CaptionStage:
                   "stats": {"target_steps": done.stats.target_steps,
                             "mean_accepted": round(done.stats.mean_accepted, 6), "tau": round(done.stats.tau, 6)}}
         if schema is not None:
+            from specstream.stages.speculative.grammar import structured_output
+
             record["caption"], record["finish_reason"] = structured_output(caption, done.finish_reason)
         if self.attention_maps is not None and vis:
             from specstream.stages.attention_maps import save_attention_map
@@ -639,19 +641,6 @@ class CaptionStage:
         self.stats.target_steps += done.stats.target_steps
         eos = set(self.captioner.vlm.eos_token_ids)
         return [t for t in tokens if t not in eos]
-
-
-def structured_output(text: str, finish_reason: str | None) -> tuple[Any, str]:
-    """A schema-constrained output as a record holds it: the parsed JSON object when the grammar finished
-    (``eos``), the partial text when the token limit cut it (``length``). Returns ``(value, finish_reason)``."""
-    import json
-
-    if finish_reason == "eos":
-        try:
-            return json.loads(text), "eos"
-        except json.JSONDecodeError:  # cannot happen under an exact constraint; the text is kept, not lost
-            return text, "eos"
-    return text, finish_reason or "length"
 
 
 class RecordedError(SpecstreamError):

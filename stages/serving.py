@@ -277,6 +277,26 @@ class LoadedModel:
     vlm: Any = None
     captioner: Any = None
     tokenizer: Any = None
+    grammars: dict = field(default_factory=dict)  # JSON Schema text -> compiled Grammar (``generate(schema=)``)
+
+
+def _grammar_of(m: LoadedModel, schema: dict):
+    """``schema`` compiled for ``m``'s vocabulary (cached on the model, per schema text)."""
+    import json
+
+    from specstream.stages.speculative.grammar import Grammar, tokenizer_info
+
+    key = json.dumps(schema, sort_keys=True)
+    with _GRAMMAR_LOCK:
+        g = m.grammars.get(key)
+        if g is None:
+            tok = m.tokenizer if m.tokenizer is not None else m.vlm.tokenizer
+            info = tokenizer_info(tok, m.decoder.config.vocab_size, m.eos)
+            g = m.grammars[key] = Grammar.from_json_schema(schema, info)
+        return g
+
+
+_GRAMMAR_LOCK = threading.Lock()
 
 
 def _eos_ids(ckpt) -> tuple[int, ...]:
@@ -540,7 +560,7 @@ class ModelHub:
     async def generate(self, prompt: Prompt, params: GenerationParams, *, model: str | None = None,
                        kind: str = "vlm", qos: str = QOS_INTERACTIVE, hypothesis: Sequence[int] | None = None,
                        on_delta: DeltaCallback | None = None,
-                       on_admitted: Callable[[], None] | None = None) -> Generation:
+                       on_admitted: Callable[[], None] | None = None, schema: dict | None = None) -> Generation:
         """Generate from ``prompt`` on ``model`` (an id from :meth:`models`; None: the ``kind`` model).
 
         Cancel by cancelling the awaiting task: the request ends at its next engine step and frees its slot.
@@ -550,10 +570,13 @@ class ModelHub:
             hypothesis: token ids of a previous answer of the same content, for the temporal drafter.
             on_delta: called on the event loop after every engine step that committed tokens (:class:`Delta`).
             on_admitted: called once the request passed every check and was queued (errors come before it).
+            schema: a JSON Schema the output must follow (grammar-constrained decoding, ``docs/structured.md``);
+                compiled (cached per model and schema) before the request is queued.
 
         Raises:
             ModelNotLoadedError, ContextLengthError (prompt + max_new_tokens over the context),
-            InvalidRequestError, CapacityError (queue full), NumericalError, SpecstreamError.
+            InvalidRequestError, CapacityError (queue full), NumericalError, SpecstreamError,
+            InvalidSchemaError, SchemaCompileTimeoutError.
         """
         m = await self.model(self.kind_of(model, kind))
         ids, prep, visual = await asyncio.to_thread(m.prepare, prompt)
@@ -568,10 +591,14 @@ class ModelHub:
                                      f"{m.context} tokens in all")
         if not m.eos:
             raise InvalidRequestError(f"model {m.info.id!r} names no end-of-sequence token")
+        procs = ()
+        if schema is not None:
+            grammar = await asyncio.to_thread(_grammar_of, m, schema)
+            procs = (grammar.constraint(n),)
         if prep is not None:
-            req = m.make_request(prep, max_new, params, qos, hypothesis, ())
+            req = m.make_request(prep, max_new, params, qos, hypothesis, procs)
         else:
-            req = m.make_request(None, max_new, params, qos, hypothesis, (), ids=ids)
+            req = m.make_request(None, max_new, params, qos, hypothesis, procs, ids=ids)
         stream = _Stream(m, params, lambda: self.loop.cancel(req.request_id), on_delta, self.finished, qos)
         try:
             finished = await self.loop.submit(req, on_tokens=stream.on_tokens, on_admitted=on_admitted)

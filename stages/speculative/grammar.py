@@ -18,8 +18,7 @@ Terms:
   shown start past it (the root row's history is prompt + committed output), i.e. it is committed with the
   accepted path. The drafter's calls and the target's calls of one step share the node states and masks.
 - Masks: xgrammar fills a packed bitmask ``[N, ceil(V / 32)]`` int32 on the host, one row per node; it goes to
-  the device in one copy and is unpacked there into a boolean ``[N, V]`` that sets forbidden scores to ``-inf``
-  in one ``masked_fill``.
+  the device in one copy and xgrammar's bitmask kernel sets the forbidden scores of all rows to ``-inf`` there.
 - Forced tokens: where the grammar allows exactly one continuation (keys, punctuation, ``"answer": "``),
   :meth:`GrammarConstraint.forced_tokens` gives them (xgrammar's jump-forward tokens), which
   :class:`~.drafters.grammar.GrammarDrafter` proposes as a zero-cost draft chain.
@@ -212,7 +211,7 @@ class _Node:
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Packed mask ``[N, W]`` int32 (bit ``j`` of word ``w`` allows token ``32 w + j``) -> ``[N, vocab]`` bool,
+    """(Inspection and tests; the engine applies packed masks with xgrammar's kernel.) Packed mask ``[N, W]`` int32 (bit ``j`` of word ``w`` allows token ``32 w + j``) -> ``[N, vocab]`` bool,
     on ``bitmask``'s device."""
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [N, W, 32]
@@ -324,27 +323,30 @@ class GrammarConstraint(LogitsProcessor):
             live[i] = True
         return out, live
 
-    def allowed(self, sequences: Sequence[Sequence[int]], vocab: int, device, begin: int | None = None,
-                context_len: int | None = None) -> torch.Tensor | None:
-        """``[N, vocab]`` bool on ``device`` (True = allowed; tokens at or past the grammar's vocabulary are
-        forbidden in constrained rows, allowed in unconstrained ones), or None when no row is constrained."""
+    def apply(self, sequences: Sequence[Sequence[int]], scores: torch.Tensor, begin: int | None = None,
+              context_len: int | None = None) -> torch.Tensor:
+        """Set to ``-inf``, in place, the scores ``[N, V]`` (float32, any device) of the tokens the grammar
+        forbids after each row's history; tokens at or past the grammar's vocabulary are forbidden in
+        constrained rows. Unconstrained rows (class docstring) are left as they are. One host-to-device copy of
+        the packed masks and xgrammar's bitmask kernel (CPU, or CUDA/Triton) over all rows at once; measured on
+        the (loaded) CPU for 21 x 151,936 scores it took about half the time of unpacking the bits into a
+        boolean tensor and ``masked_fill`` (0.43x and 0.51x in two runs). Returns ``scores``."""
         packed, live = self.masks(sequences, begin, context_len)
         if not any(live):
-            return None
-        dev_mask = unpack_bitmask(packed.to(device), self.grammar.vocab_size)  # [N, Vg]
-        allowed = torch.ones((len(sequences), vocab), dtype=torch.bool, device=device)
-        width = min(vocab, self.grammar.vocab_size)
-        live_t = torch.tensor(live, device=device)
-        allowed[:, :width] = torch.where(live_t[:, None], dev_mask[:, :width], True)
-        if vocab > width:
-            allowed[:, width:] = ~live_t[:, None]
-        return allowed
+            return scores
+        for i, ok in enumerate(live):
+            if not ok:
+                packed[i] = -1  # every bit set: nothing forbidden
+        vg = self.grammar.vocab_size
+        width = min(scores.shape[-1], vg)
+        _xgr().apply_token_bitmask_inplace(scores, packed.to(scores.device, non_blocking=True), vocab_size=width)
+        if scores.shape[-1] > vg:
+            rows = torch.tensor([i for i, ok in enumerate(live) if ok], device=scores.device)
+            scores[rows, vg:] = float("-inf")
+        return scores
 
     def __call__(self, sequences, scores):
-        allowed = self.allowed(sequences, scores.shape[-1], scores.device)
-        if allowed is None:
-            return scores
-        return scores.masked_fill_(~allowed, float("-inf"))
+        return self.apply(sequences, scores)
 
     # -- forced continuation ----------------------------------------------------------------------------------
     def forced_tokens(self, context: Sequence[int], limit: int, begin: int | None = None) -> list[int]:
@@ -375,13 +377,40 @@ class DraftView:
     def forced_tokens(self, context: Sequence[int], limit: int) -> list[int]:
         return self.constraint.forced_tokens(context, limit, self.begin)
 
-    def allowed(self, sequences: Sequence[Sequence[int]], vocab: int, device, context_len: int
-                ) -> torch.Tensor | None:
-        """Masks of draft rows ``[N, vocab]`` bool; every history starts with the ``context_len`` tokens of
-        prompt + committed output."""
-        return self.constraint.allowed(sequences, vocab, device, self.begin, context_len)
+    def apply(self, sequences: Sequence[Sequence[int]], scores: torch.Tensor, context_len: int) -> torch.Tensor:
+        """:meth:`GrammarConstraint.apply` on draft rows; every history starts with the ``context_len`` tokens
+        of prompt + committed output."""
+        return self.constraint.apply(sequences, scores, self.begin, context_len)
 
 
 def grammar_constraint_of(processors: Sequence[LogitsProcessor]) -> GrammarConstraint | None:
     """The first :class:`GrammarConstraint` among a request's processors (drafters mask their drafts by it)."""
     return next((p for p in processors if isinstance(p, GrammarConstraint)), None)
+
+
+def structured_output(text: str, finish_reason: str | None) -> tuple[object, str]:
+    """A schema-constrained output as a record holds it: the parsed JSON object when the grammar finished
+    (``eos``), the partial text when the token limit cut it (``length``). Returns ``(value, finish_reason)``."""
+    if finish_reason == "eos":
+        try:
+            return json.loads(text), "eos"
+        except json.JSONDecodeError:  # cannot happen under an exact constraint; the text is kept, not lost
+            return text, "eos"
+    return text, finish_reason or "length"
+
+
+def read_schema_file(path) -> dict:
+    """``--schema S.json``: the JSON Schema object in the file, read before any model loads.
+
+    Raises:
+        InvalidSchemaError: unreadable, not JSON, or not a JSON object.
+    """
+    from pathlib import Path
+
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidSchemaError(f"--schema {path}: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InvalidSchemaError(f"--schema {path}: a JSON Schema must be an object")
+    return schema

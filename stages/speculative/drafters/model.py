@@ -245,23 +245,20 @@ class ModelDrafter(Drafter):
     def _mask_drafts(inputs: list[DraftInput], trees: list[TokenTree], rows: list[tuple[int, int]],
                      logits: torch.Tensor) -> torch.Tensor:
         """Forbid in ``logits`` ``[len(rows), V]`` the tokens the request's grammar forbids after each row's
-        node (``DraftInput.constraint``): a draft never proposes a token the target could not accept. One
-        boolean ``[rows, V]`` mask per constrained request, applied on the device."""
+        node (``DraftInput.constraint``): a draft never proposes a token the target could not accept. The
+        packed masks of a request's rows are applied on the device in one call."""
         by_req: dict[int, list[int]] = {}
         for r, (i, _) in enumerate(rows):
             if inputs[i].constraint is not None:
                 by_req.setdefault(i, []).append(r)
         if not by_req:
             return logits
-        allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
-        any_masked = False
+        logits = logits.float().clone()  # the forward's output may be an inference tensor
         for i, rs in by_req.items():
             hist = [inputs[i].context + trees[i].path_tokens(rows[r][1]) for r in rs]
-            mask = inputs[i].constraint.allowed(hist, logits.shape[-1], logits.device, len(inputs[i].context))
-            if mask is not None:
-                allowed[torch.tensor(rs, device=logits.device)] = mask
-                any_masked = True
-        return logits.masked_fill(~allowed, float("-inf")) if any_masked else logits
+            idx = torch.tensor(rs, device=logits.device)
+            logits[idx] = inputs[i].constraint.apply(hist, logits[idx], len(inputs[i].context))
+        return logits
 
     def _expand_static(self, inputs, trees, units, rows, logits, width) -> list[tuple[int, int]]:
         """Children of every row's node: ``min(width, units left)`` draws each, counted before drawing; greedy
