@@ -259,6 +259,7 @@ def test_cli_caption_bad_schema_is_a_typed_error_before_decoding(tmp_path, src, 
     assert main(["caption", src["astronaut"], "--out", str(out), "--schema", str(bad), "--no-progress"]) != 0
     err = capsys.readouterr().err
     assert "invalid_schema" in err and "nosuchtype" in err
+    assert "untrained" not in err.lower()  # refused before the built-in models were even looked up
     assert not out.exists() or out.read_text() == ""
     bad.write_text("{not json")
     assert main(["caption", src["astronaut"], "--out", str(out), "--schema", str(bad), "--no-progress"]) != 0

@@ -400,10 +400,12 @@ def structured_output(text: str, finish_reason: str | None) -> tuple[object, str
 
 
 def read_schema_file(path) -> dict:
-    """``--schema S.json``: the JSON Schema object in the file, read before any model loads.
+    """``--schema S.json``: the JSON Schema object in the file, read and checked (:func:`check_schema`) before
+    any model loads.
 
     Raises:
-        InvalidSchemaError: unreadable, not JSON, or not a JSON object.
+        InvalidSchemaError: unreadable, not JSON, not a JSON object, or not compilable.
+        SchemaCompileTimeoutError: see :func:`check_schema`.
     """
     from pathlib import Path
 
@@ -413,4 +415,22 @@ def read_schema_file(path) -> dict:
         raise InvalidSchemaError(f"--schema {path}: {exc}") from None
     if not isinstance(schema, dict):
         raise InvalidSchemaError(f"--schema {path}: a JSON Schema must be an object")
+    check_schema(schema)
     return schema
+
+
+def check_schema(schema: dict) -> None:
+    """Compile ``schema`` for a small vocabulary (printable ASCII, one character per token): whether the grammar
+    library accepts it does not depend on the vocabulary, so a command refuses a bad schema in milliseconds,
+    before its models load.
+
+    Raises:
+        InvalidSchemaError, SchemaCompileTimeoutError: as :meth:`Grammar.from_json_schema`.
+    """
+    with _LOCK:
+        info = _INFO_CACHE.get(("ascii",))
+    if info is None:
+        info = raw_vocab_info([chr(i) for i in range(32, 127)])
+        with _LOCK:
+            _INFO_CACHE[("ascii",)] = info
+    Grammar.from_json_schema(schema, info)
