@@ -335,3 +335,18 @@ def test_qa_schema_answers_validate_per_line_and_bad_schemas_are_error_lines(tmp
         jsonschema.validate(recs[key]["answer"], QA_SCHEMA)
     jsonschema.validate(recs[("v2", "q1")]["answer"], other)
     assert recs[("v3", "q1")]["error"]["code"] == "invalid_schema"
+
+
+def test_openai_response_format_to_schema():
+    from specstream.errors import UnsupportedParameterError
+    from specstream.pipeline.response_format import schema_from_response_format
+
+    assert schema_from_response_format(None) is None
+    assert schema_from_response_format({"type": "text"}) is None
+    assert schema_from_response_format({"type": "json_object"}) == {"type": "object"}
+    rf = {"type": "json_schema", "json_schema": {"name": "qa", "schema": QA_SCHEMA, "strict": True}}
+    assert schema_from_response_format(rf) == QA_SCHEMA
+    with pytest.raises(InvalidSchemaError):
+        schema_from_response_format({"type": "json_schema", "json_schema": {"name": "x"}})
+    with pytest.raises(UnsupportedParameterError, match="response_format"):
+        schema_from_response_format({"type": "grammar"})
