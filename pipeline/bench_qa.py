@@ -163,19 +163,23 @@ def plot(res: dict, path: Path) -> None:
 
 def bench_qa_main(argv: list[str]) -> int:
     """Entry point of ``specstream bench qa``; exit 1 when speculation changed an answer."""
-    p = argparse.ArgumentParser(prog="specstream bench qa", description=__doc__,
+    from specstream.helptext import doc_help
+
+    p = argparse.ArgumentParser(prog="specstream bench qa", description=doc_help(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="VLM checkpoint (default: the built-in tiny model)")
-    p.add_argument("--draft", action="append", default=[])
+    p.add_argument("--draft", action="append", default=[],
+                   help="draft checkpoint of the VLM (repeatable; default: the built-in tiny text draft)")
     p.add_argument("--text-model", help="also answer from the transcript with this text model")
-    p.add_argument("--text-draft", action="append", default=[])
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--text-draft", action="append", default=[], help="draft of --text-model (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer (default 32)")
     p.add_argument("--workers", default="1,2,4", help="worker counts of the Kafka runs (comma-separated; 0: none)")
     p.add_argument("--broker", help="kafka://HOST:PORT (default: a local tansu)")
     p.add_argument("--quick", action="store_true", help="a smoke run: one question per clip, 8 new tokens, "
                                                         "workers 1,2")
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process")
-    p.add_argument("--out", type=Path, default=Path("docs/bench"))
+    p.add_argument("--out", type=Path, default=Path("docs/bench"),
+                   help="directory for bench_qa.json and bench_qa.png (default docs/bench)")
     args = p.parse_args(argv)
     import torch
 

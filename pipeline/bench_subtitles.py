@@ -183,7 +183,9 @@ def _summary(res, rec, wer, speech_end_s: float) -> dict:
 
 
 def bench_subtitles_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="specstream bench subtitles", description=__doc__,
+    from specstream.helptext import doc_help
+
+    parser = argparse.ArgumentParser(prog="specstream bench subtitles", description=doc_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny.en,whisper-base", help="comma list (tiny.en, whisper-base, dirs)")
     parser.add_argument("--recordings", default="espeak,bulletin", help="comma list: espeak, bulletin")
@@ -192,7 +194,8 @@ def bench_subtitles_main(argv: list[str]) -> int:
     parser.add_argument("--hop-s", type=float, default=None, help="audio between passes (default StreamConfig's)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--streams", default="", help="concurrent real-time stream counts (comma list; empty: skip)")
-    parser.add_argument("--no-faster-whisper", action="store_true")
+    parser.add_argument("--no-faster-whisper", action="store_true",
+                        help="skip the faster-whisper reference transcription of each recording")
     parser.add_argument("--out", type=Path, default=None, help="directory for bench_subtitles.json and .png")
     args = parser.parse_args(argv)
     import torch

@@ -13,20 +13,34 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specstream.errors import UnreadableSourceError
+from specstream.errors import MediaError, UnreadableSourceError
+from specstream.modalities.source import open_source
 from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, InProcessBroker
-from specstream.pipeline.messages import PipelineRequest, PipelineResult, Source
+from specstream.pipeline.messages import ErrorInfo, PipelineRequest, PipelineResult, Source
 
 # full-resolution keyframes waiting between the keyframe and caption stages, at most; with the caption stage's
 # window (CaptionStage.max_in_flight) and one pending frame per video being decoded, this bounds the frames alive
 FRAMES_TOPIC_BOUND = 4
-from specstream.stages.caption import IMAGE_EXTS, VIDEO_EXTS, Captioner, CaptionStage, KeyframeStage, sniff_media
+from specstream.stages.caption import (
+    IMAGE_EXTS,
+    VIDEO_EXTS,
+    Captioner,
+    CaptionStage,
+    KeyframeStage,
+    error_info,
+    media_kind,
+    sniff_media,
+)
 
 
 @dataclass
 class CaptionJobSummary:
+    """Counts of one caption job. ``inputs`` counts the files captioned or failed; ``skipped`` the files of the
+    given directories that are neither images nor videos (each named on stderr; they are not inputs)."""
+
     inputs: int = 0
     failed_inputs: int = 0
+    skipped: int = 0
     frames_decoded: int = 0
     keyframes: int = 0
     captions: int = 0
@@ -42,7 +56,8 @@ class CaptionJobSummary:
     def line(self) -> str:
         """One line for people: counts (singular for one), time, tokens/s and tau (tokens per target step)."""
         tps = self.tokens / self.seconds if self.seconds else 0.0
-        return (f"{count(self.inputs, 'input')} ({self.failed_inputs} failed): "
+        skipped = f", {self.skipped} skipped" if self.skipped else ""
+        return (f"{count(self.inputs, 'input')} ({self.failed_inputs} failed{skipped}): "
                 f"{count(self.frames_decoded, 'frame')} decoded, {count(self.keyframes, 'keyframe')}, "
                 f"{count(self.captions, 'caption')}, {count(self.tokens, 'token')} in {self.seconds:.1f} s "
                 f"({tps:.1f} tokens/s), tau {self.tau:.2f}")
@@ -53,26 +68,54 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def expand_inputs(inputs: list[str]) -> list[str]:
-    """Files as given; directories expanded to their media files, sorted: files with an image or video
-    extension, and files without one whose content is an image or a video (``sniff_media``). Missing paths stay
-    (they fail)."""
-    out = []
+def expand_inputs(inputs: list[str]) -> tuple[list[str], list[str]]:
+    """``(files, skipped)``: files as given; directories expanded to their media files, sorted: files with an
+    image or video extension, and files without one whose content is an image or a video (``sniff_media``).
+    ``skipped``: the other files of those directories, sorted (a given file is never skipped: it gets its error
+    record). Missing paths stay in ``files`` (they fail)."""
+    files, skipped = [], []
     for item in inputs:
         p = Path(item)
         if p.is_dir():
-            out.extend(str(f) for f in sorted(p.rglob("*"))
-                       if f.is_file() and (f.suffix.lower() in IMAGE_EXTS | VIDEO_EXTS or
-                                           sniff_media(str(f)) is not None))
+            for f in sorted(p.rglob("*")):
+                if f.is_file():
+                    media = f.suffix.lower() in IMAGE_EXTS | VIDEO_EXTS or sniff_media(str(f)) is not None
+                    (files if media else skipped).append(str(f))
         else:
-            out.append(item)
-    return out
+            files.append(item)
+    return files, skipped
+
+
+def check_input(path: str) -> None:
+    """The checks of one command-line input that need no model: a regular, readable, non-empty file whose content
+    or extension is an image or a video (``media_kind``). The caption graph makes the same checks; running them
+    first lets a job whose inputs all fail end before any model loads.
+
+    Raises:
+        UnreadableSourceError: missing, a directory, no permission, empty (0 bytes).
+        UnsupportedMediaError: neither an image nor a video.
+    """
+    with open_source(path) as opened:
+        if opened.size == 0:
+            raise UnreadableSourceError(f"file is empty (0 bytes): {path}")
+        media_kind(opened.path, path)
+
+
+def error_record(source: str, error: ErrorInfo) -> dict:
+    """The JSONL record of a failed input: ``{"source", "error": {"code", "message"}}``."""
+    return {"source": source, "error": error.model_dump()}
+
+
+def failure_line(record: dict) -> str:
+    """The stderr line naming a failed input and why: ``failed SOURCE [code]: message``."""
+    return f"failed {record['source']} [{record['error']['code']}]: {record['error']['message']}"
 
 
 async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt: str, max_new_tokens: int,
                             max_keyframes_per_minute: float | None, attention_maps: Path | None,
                             qos: str = "batch", progress=None, broker: InProcessBroker | None = None,
                             max_in_flight: int = 8, allowed_roots: list[Path] | None = None,
+                            failed_early: dict[int, ErrorInfo] | None = None, report=None,
                             schema: dict | None = None) -> CaptionJobSummary:
     """Run the graph over ``inputs``; write one JSON line per caption / failed input to ``out``.
 
@@ -80,7 +123,11 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
     frames); ``max_in_flight``: the caption stage's window. Together they bound the full-resolution frames in
     memory, whatever the videos' length (backpressure back to the decoding child). ``allowed_roots``: directories
     the inputs must lie in, checked when each is opened (None: any path; the command line's own inputs).
-    ``schema``: a JSON Schema every caption follows (``CaptionParams.schema``)."""
+    ``failed_early``: input index -> the error it already failed with (``check_input``); those inputs are not
+    sent through the graph, their records are written in their place. ``report``: called with the stderr line
+    of each failed input (``failure_line``) as its record is written (None: not reported). ``schema``: a JSON
+    Schema every caption follows (``CaptionParams.schema``)."""
+    failed_early = failed_early or {}
     summary = CaptionJobSummary(inputs=len(inputs))
     if broker is None:
         broker = InProcessBroker(topic_maxsize={TOPIC_FRAMES: FRAMES_TOPIC_BOUND})
@@ -91,19 +138,20 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
         params["max_keyframes_per_minute"] = max_keyframes_per_minute
     if schema is not None:
         params["schema"] = schema
-    ids = []
+    ids = [f"input-{i}" for i in range(len(inputs))]
+    buffered: dict[str, dict[int, PipelineResult]] = {rid: {} for rid in ids}  # results not written yet, by seq
     for i, path in enumerate(inputs):
-        rid = f"input-{i}"
-        ids.append(rid)
-        await broker.publish(TOPIC_REQUESTS, rid, PipelineRequest(id=rid, task="caption", source=Source(uri=path),
-                                                                  qos=qos, params=params))
+        if i in failed_early:
+            buffered[ids[i]][0] = PipelineResult(id=ids[i], status="error", error=failed_early[i], seq=0, final=True)
+            continue
+        await broker.publish(TOPIC_REQUESTS, ids[i], PipelineRequest(id=ids[i], task="caption",
+                                                                     source=Source(uri=path), qos=qos, params=params))
     t0 = time.perf_counter()
     kt = asyncio.create_task(kstage.run())
     ct = asyncio.create_task(cstage.run())
     await broker.close_topic(TOPIC_REQUESTS)
-    pending = set(ids)
-    failed = set()
-    buffered: dict[str, dict[int, PipelineResult]] = {rid: {} for rid in ids}  # results not written yet, by seq
+    pending = {ids[i] for i in range(len(inputs)) if i not in failed_early}
+    failed = {ids[i] for i in failed_early}
     next_input, next_seq = 0, 0
     captions_seen = 0
 
@@ -117,9 +165,10 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
             ended = False
             while next_seq in buffered[rid]:
                 res = buffered[rid].pop(next_seq)
-                rec = res.output if res.status == "ok" else {"source": inputs[next_input],
-                                                             "error": res.error.model_dump()}
+                rec = res.output if res.status == "ok" else error_record(inputs[next_input], res.error)
                 out.write(json.dumps(rec) + "\n")
+                if res.status != "ok" and report is not None:
+                    report(failure_line(rec))
                 summary.records.append(rec)
                 wrote, next_seq, ended = True, next_seq + 1, res.final
             if not ended:
@@ -128,20 +177,25 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
         if wrote:
             out.flush()
 
-    async for msg in broker.subscribe(TOPIC_RESULTS):
-        res: PipelineResult = msg.value
-        buffered[res.id][res.seq] = res
-        if res.status == "error":
-            failed.add(res.id)
-        if res.final:
-            pending.discard(res.id)
-        if progress is not None:
-            captions_seen += res.status == "ok"
-            progress.set_postfix(captions=captions_seen, failed=len(failed), refresh=False)
-            progress.update(1 if res.final else 0)
-        flush()
-        if not pending:
-            break
+    flush()  # the records of inputs that failed early, up to the first input still in the graph
+    if progress is not None and failed_early:
+        progress.set_postfix(captions=0, failed=len(failed), refresh=False)
+        progress.update(len(failed_early))
+    if pending:  # else every input failed early: nothing will arrive
+        async for msg in broker.subscribe(TOPIC_RESULTS):
+            res: PipelineResult = msg.value
+            buffered[res.id][res.seq] = res
+            if res.status == "error":
+                failed.add(res.id)
+            if res.final:
+                pending.discard(res.id)
+            if progress is not None:
+                captions_seen += res.status == "ok"
+                progress.set_postfix(captions=captions_seen, failed=len(failed), refresh=False)
+                progress.update(1 if res.final else 0)
+            flush()
+            if not pending:
+                break
     await kt
     await broker.close_topic(TOPIC_FRAMES)
     await ct
@@ -166,6 +220,11 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
     record's ``caption`` is the parsed JSON value; the schema is compiled once the model is loaded, before any
     input is read.
 
+    Every input is checked first (``check_input``: exists, readable, an image or a video); the models load only
+    when some input passed. Each failed input gets its record in ``out_path`` and a line on stderr
+    (``failure_line``); each file of a directory that is not media is named on stderr (``skipped PATH: ...``)
+    and counted in ``CaptionJobSummary.skipped``.
+
     Raises:
         UnreadableSourceError: no media file among ``inputs``.
         InvalidSchemaError, SchemaCompileTimeoutError: a schema the grammar library cannot compile in time.
@@ -174,38 +233,66 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
     from specstream.pipeline.defaults import default_caption_models
     from specstream.stages.speculative.drafters.model import TreeSpec
 
-    files = expand_inputs(inputs)
+    files, skipped = expand_inputs(inputs)
+    for path in skipped:
+        print(f"skipped {path}: neither an image nor a video (by content or extension)", file=sys.stderr)
     if not files:
         raise UnreadableSourceError(f"no media files in {inputs}")
     tree_spec = TreeSpec.parse(tree)  # a bad --tree fails before any model loads
+    failed_early: dict[int, ErrorInfo] = {}
+    for i, path in enumerate(files):  # before any model loads: a job of bad inputs ends at once
+        try:
+            check_input(path)
+        except MediaError as exc:
+            failed_early[i] = error_info(exc)
     if out_path not in (None, "-"):
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)  # before the models load, not after the work
-    if target is None:
-        target, default_draft = default_caption_models()
-        drafts = list(drafts) or [str(default_draft)]
-    captioner = Captioner(target, drafts, tree_spec, temporal=temporal, visual_aware=visual_aware,
-                          num_slots=num_slots, dtype=dtype, device=device, attention_maps=attention_maps is not None)
-    if schema is not None:
-        try:
-            captioner.grammar(schema)  # a schema that cannot compile fails the job before any decoding
-        except BaseException:
-            captioner.loop.stop()
-            raise
-    show = sys.stderr.isatty() if show_progress is None else show_progress
-    progress = None
-    if show:
-        from tqdm import tqdm
-
-        # a bar over the inputs (their keyframe counts are not known ahead): "captioning: 50%|... | 1/2 [...]"
-        progress = tqdm(total=len(files), desc="captioning", unit=" input", file=sys.stderr)
     out = sys.stdout if out_path in (None, "-") else open(out_path, "w")
+
+    def report(line: str) -> None:  # a failed input, named on stderr
+        print(line, file=sys.stderr)
+
+    if len(failed_early) == len(files):
+        try:
+            summary = CaptionJobSummary(inputs=len(files), failed_inputs=len(files), skipped=len(skipped))
+            for i, path in enumerate(files):
+                rec = error_record(path, failed_early[i])
+                out.write(json.dumps(rec) + "\n")
+                report(failure_line(rec))
+                summary.records.append(rec)
+            out.flush()
+            return summary
+        finally:
+            if out is not sys.stdout:
+                out.close()
+    captioner = None
+    progress = None
     try:
-        return asyncio.run(run_caption_graph(files, captioner, out, prompt, max_new_tokens,
-                                             max_keyframes_per_minute,
-                                             Path(attention_maps) if attention_maps else None, progress=progress,
-                                             schema=schema))
+        if target is None:
+            target, default_draft = default_caption_models()
+            drafts = list(drafts) or [str(default_draft)]
+        captioner = Captioner(target, drafts, tree_spec, temporal=temporal, visual_aware=visual_aware,
+                              num_slots=num_slots, dtype=dtype, device=device,
+                              attention_maps=attention_maps is not None)
+        if schema is not None:
+            captioner.grammar(schema)  # a schema that cannot compile fails the job before any decoding
+        show = sys.stderr.isatty() if show_progress is None else show_progress
+        if show:
+            from tqdm import tqdm
+
+            # a bar over the inputs (their keyframe counts are not known ahead): "captioning: 50%|... | 1/2 [...]"
+            progress = tqdm(total=len(files), desc="captioning", unit=" input", file=sys.stderr)
+            def report(line: str) -> None:  # a line above the bar, not through it (tqdm.write: stdout unless told)
+                progress.write(line, file=sys.stderr)
+        summary = asyncio.run(run_caption_graph(files, captioner, out, prompt, max_new_tokens,
+                                                max_keyframes_per_minute,
+                                                Path(attention_maps) if attention_maps else None, progress=progress,
+                                                failed_early=failed_early, report=report, schema=schema))
+        summary.skipped = len(skipped)
+        return summary
     finally:
-        captioner.loop.stop()  # the process's device loop: its thread ends with the job
+        if captioner is not None:
+            captioner.loop.stop()  # the process's device loop: its thread ends with the job
         if progress is not None:
             progress.close()
         if out is not sys.stdout:

@@ -25,8 +25,8 @@ from specstream.errors import CheckpointNotFoundError
 VERSION = "v1"
 UNTRAINED_NOTICE = (
     "note: using the built-in tiny models with UNTRAINED random weights: captions are not meaningful. "
-    "Point --target/--draft at real checkpoints, e.g. --target llava-hf/llava-onevision-qwen2-7b-ov-hf "
-    "--draft llava-hf/llava-onevision-qwen2-0.5b-ov-hf"
+    "Point {target}/{draft} at real checkpoints, e.g. {target} llava-hf/llava-onevision-qwen2-7b-ov-hf "
+    "{draft} llava-hf/llava-onevision-qwen2-0.5b-ov-hf"
 )
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
@@ -151,8 +151,15 @@ def build_tiny_text_draft(path: Path, target: Path, keep_layers: int = 1) -> Pat
     return path
 
 
-def default_caption_models(quiet: bool = False) -> tuple[Path, Path]:
-    """Paths of the built-in (target, draft), created on first use. Prints the untrained-weights notice."""
+def untrained_notice(flags: tuple[str, str] = ("--target", "--draft")) -> str:
+    """The untrained-weights notice, naming the command's own (target, draft) flags."""
+    return UNTRAINED_NOTICE.format(target=flags[0], draft=flags[1])
+
+
+def default_caption_models(quiet: bool = False,
+                           flags: tuple[str, str] = ("--target", "--draft")) -> tuple[Path, Path]:
+    """Paths of the built-in (target, draft), created on first use. Unless ``quiet``, prints the untrained-weights
+    notice on stderr, naming ``flags``: the (target, draft) flags of the command that uses them."""
     root = cache_dir() / "models"
     target = root / f"tiny-llava-{VERSION}"
     draft = root / f"tiny-llava-draft-{VERSION}"
@@ -168,7 +175,7 @@ def default_caption_models(quiet: bool = False) -> tuple[Path, Path]:
         shutil.rmtree(draft, ignore_errors=True)
         tmp.replace(draft)
     if not quiet:
-        print(UNTRAINED_NOTICE, file=sys.stderr)
+        print(untrained_notice(flags), file=sys.stderr)
     return target, draft
 
 

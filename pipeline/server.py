@@ -527,7 +527,8 @@ class AppState:
                 target, drafts = self.settings.caption_target, []
                 try:
                     if target is None:
-                        target, default_draft = default_caption_models()
+                        target, default_draft = default_caption_models(
+                            flags=("--caption-target", "--caption-draft"))
                         drafts = [str(default_draft)]
                     elif self.settings.caption_draft:
                         drafts = [self.settings.caption_draft]
@@ -941,7 +942,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(SPECSTREAM_CLIP_MODEL)")
     parser.add_argument("--clip-pretrained", default=None, help="local weights of --clip-model "
                                                                 "(SPECSTREAM_CLIP_PRETRAINED)")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info",
+                        help="uvicorn log level: debug, info, warning, error (default info)")
     return parser
 
 

@@ -358,13 +358,16 @@ async def run_worker(settings: KafkaSettings, stop: asyncio.Event | None = None)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specstream worker", description=__doc__,
+    from specstream.helptext import doc_help
+
+    p = argparse.ArgumentParser(prog="specstream worker", description=doc_help(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--broker", help="kafka://HOST:PORT[,HOST:PORT] (env SPECSTREAM_KAFKA_BOOTSTRAP)")
     p.add_argument("--group", help="consumer group prefix (env SPECSTREAM_KAFKA_GROUP; default specstream)")
     p.add_argument("--stages", choices=["keyframes", "caption", "all"], help="stages to run (default all)")
     p.add_argument("--allowed-root", action="append", dest="allowed_roots",
-                   help="file:// sources must lie under this directory (repeatable; env: JSON list)")
+                   help="file:// sources must lie under this directory (repeatable; env SPECSTREAM_KAFKA_ALLOWED_ROOTS, "
+                        "a JSON list)")
     p.add_argument("--target", help="VLM checkpoint for the caption stage (default: built-in tiny model)")
     p.add_argument("--draft", action="append", help="draft checkpoint (repeatable)")
     p.add_argument("--text-model", help="text model for video_qa answer_with=text and generate model=text")
@@ -372,11 +375,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speech-model", help="Whisper checkpoint for video_qa and transcribe (default: tiny.en)")
     p.add_argument("--clip-model", help="open_clip architecture or model-config JSON: video_qa frames by similarity")
     p.add_argument("--clip-pretrained", help="local weights file of --clip-model")
-    p.add_argument("--max-in-flight", type=int)
-    p.add_argument("--max-poll-interval-ms", type=int)
+    p.add_argument("--max-in-flight", type=int, help="messages in flight per stage before its partitions pause "
+                                                     "(env SPECSTREAM_KAFKA_MAX_IN_FLIGHT; default 8)")
+    p.add_argument("--max-poll-interval-ms", type=int,
+                   help="Kafka's max.poll.interval.ms of the consumers (env SPECSTREAM_KAFKA_MAX_POLL_INTERVAL_MS; "
+                        "default 300000)")
     p.add_argument("--partitions", type=int, help="partitions of the topics the worker creates")
-    p.add_argument("--frame-format", choices=["png", "jpeg"])
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--frame-format", choices=["png", "jpeg"],
+                   help="keyframes on the frame-task topic (env SPECSTREAM_KAFKA_FRAME_FORMAT; default png, lossless)")
+    p.add_argument("--log-level", default="INFO", help="logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
     return p
 
 

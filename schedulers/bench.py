@@ -105,11 +105,14 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="specstream bench scheduler", description=__doc__.split("\n")[0])
+    from specstream.helptext import doc_help
+
+    ap = argparse.ArgumentParser(prog="specstream bench scheduler", description=doc_help(__doc__),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="output directory (created)")
-    ap.add_argument("--duration-s", type=float, default=20.0, help="seconds of arrivals")
+    ap.add_argument("--duration-s", type=float, default=20.0, help="seconds of arrivals (default 20)")
     ap.add_argument("--scale", type=float, default=2.0, help="multiplies every arrival rate (2.0: overloaded)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the arrival traces (default 0)")
     ap.add_argument("--profile", default="h200-est", help="cost profile: h200-est (estimated) or cpu-2core")
     args = ap.parse_args(argv)
     result = run(args.duration_s, args.scale, args.seed, args.profile)

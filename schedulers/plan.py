@@ -71,11 +71,14 @@ class RequestStats:
     """Per-request speculation statistics.
 
     ``target_steps`` counts target forwards that included the request, prefill included;
-    ``accepted_per_step`` counts draft tokens accepted per verification step (bonus token excluded);
-    ``tau`` = committed tokens / target steps.
+    ``prefill_steps`` counts those that were prefill (one per prefill chunk; the last one commits the first token
+    and verifies no draft); ``accepted_per_step`` counts draft tokens accepted per verification step (bonus token
+    excluded), one entry per verify step, so ``target_steps == prefill_steps + len(accepted_per_step)`` unless
+    the request ended in an error; ``tau`` = committed tokens / target steps.
     """
 
     target_steps: int = 0
+    prefill_steps: int = 0
     accepted_per_step: list[int] = field(default_factory=list)
     committed: int = 0
     draft_s: float = 0.0
@@ -319,7 +322,9 @@ def book_step_result(req: Request, res: RequestStepResult, now: float | None = N
     """
     if res.is_prefill and not res.prefill_done and res.error is None:
         req.stats.target_steps += 1  # a prefill chunk: in the forward, nothing committed yet
+        req.stats.prefill_steps += 1
         return False
+    req.stats.prefill_steps += res.is_prefill
     req.output_ids.extend(res.new_tokens)
     req.output_logprobs.extend(res.logprobs)
     req.stats.committed += len(res.new_tokens)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specstream.errors import CapacityError, error_line
+from specstream.errors import CapacityError, UnreadableSourceError, error_line
 from specstream.schedulers.baselines import FifoEncodeScheduler, StaticBatchScheduler
 from specstream.schedulers.costmodel import CostModel, EncodeCost, get_profile
 from specstream.schedulers.plan import (
@@ -474,7 +474,11 @@ def simulate_main(argv: list[str]) -> int:
     try:
         events = load_trace(args.trace)
         cfg = load_config(args.config)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:  # a trace or config that cannot be read: unreadable_source, as on every command
+        print(error_line(UnreadableSourceError.code, f"{exc.filename}: {exc.strerror}", as_json=args.json),
+              file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(error_line("invalid_request", str(exc), as_json=args.json), file=sys.stderr)
         return 2
     summary = summarize(simulate(events, cfg))

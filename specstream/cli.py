@@ -7,9 +7,16 @@ import json
 import sys
 from pathlib import Path
 
-from specstream.errors import InvalidRequestError, SpecstreamError, error_line
+from specstream.errors import InvalidRequestError, SpecstreamError, UnreadableSourceError, error_line
 
-EXIT_INPUT_ERROR = 2
+EXIT_INPUT_ERROR = 2  # a fatal error (errors.py: the exit statuses)
+
+DESCRIPTION = (
+    "Multimodal streaming inference with token-tree speculative decoding (SpecInfer): captions for videos and "
+    "images, answers about videos, transcripts and live subtitles, plain generation, and the Kafka worker and "
+    "HTTP server that run the same pipeline. Without --target the built-in tiny models are used; their weights "
+    "are untrained, so their text is gibberish. Each command has its own --help; a fatal error is one line "
+    "(error [code]: message) and exit status 2.")
 
 
 def _prompt_list(text: str) -> list[int]:
@@ -56,17 +63,22 @@ def _add_generate(sub) -> None:
                         "generation prompt)")
     p.add_argument("--max-new-tokens", type=_int_at_least("--max-new-tokens", 1), default=128,
                    help="tokens to generate at most per prompt (default 128)")
-    p.add_argument("--mode", choices=["greedy", "sample"], default="greedy")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--mode", choices=["greedy", "sample"], default="greedy",
+                   help="greedy: the target's argmax, token for token; sample: draws from the target's distribution "
+                        "(exact under speculation) (default greedy)")
+    p.add_argument("--temperature", type=float, default=1.0, help="--mode sample: softmax temperature (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="--mode sample: keep the K most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="--mode sample: keep the smallest set of tokens whose probability reaches P (default 1.0)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
     p.add_argument("--tree", default="1,1,3,1,1,1,1,1",
                    help="draft tree: widths per depth (SpecInfer default 1,1,3,1,1,1,1,1) or dynamic:NODES")
     p.add_argument("--no-speculation", action="store_true", help="one token per target step, same runtime")
     p.add_argument("--no-adaptive", action="store_true", help="always ask for the full tree")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weight precision of target and drafts (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--max-len", type=_int_at_least("--max-len", 2), default=2048,
                    help="context tokens per request slot")
     p.add_argument("--num-slots", type=_int_at_least("--num-slots", 1), default=64,
@@ -80,8 +92,10 @@ def _add_generate(sub) -> None:
 def _read_prompt_ids_file(path: Path) -> list[list[int]]:
     try:
         lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise InvalidRequestError(f"--prompt-ids-file: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:  # the same fault as caption's missing input: unreadable_source
+        raise UnreadableSourceError(f"--prompt-ids-file {path}: {exc.strerror or exc}"
+                                    if isinstance(exc, OSError) else f"--prompt-ids-file {path}: not UTF-8 text"
+                                    ) from None
     prompts = []
     for n, line in enumerate(lines, 1):
         if line.strip():
@@ -179,6 +193,8 @@ def cmd_generate(args) -> int:
         record = {"tokens": req.output_ids, "finish_reason": req.finish_reason,
                   "stats": {k: v for k, v in req.stats.to_dict().items()
                             if k in ("target_steps", "accepted_per_step", "mean_accepted", "tau")}}
+        # target_steps = prefill_steps + len(accepted_per_step): the prefill forward verifies no draft
+        record["stats"]["prefill_steps"] = req.stats.prefill_steps
         if req.error:
             record["error"] = req.error
         if engine.tokenizer is not None and args.prompt is not None:
@@ -216,9 +232,11 @@ def _add_caption(sub) -> None:
     p.add_argument("--out", default="-", help="JSONL output file (default: stdout)")
     p.add_argument("--target", help="LLaVA-family checkpoint: dir or hub id (default: built-in tiny model)")
     p.add_argument("--draft", action="append", default=[], help="draft checkpoint (text LM or VLM); repeatable")
-    p.add_argument("--prompt", default="Describe this image.")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--max-keyframes-per-minute", type=float, default=None)
+    p.add_argument("--prompt", default="Describe this image.",
+                   help="instruction shown with each image or keyframe (default 'Describe this image.')")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per caption at most (default 32)")
+    p.add_argument("--max-keyframes-per-minute", type=float, default=None,
+                   help="cap on the keyframes kept per minute of video (default: no cap)")
     p.add_argument("--schema", type=Path, metavar="S.json", help="JSON Schema file: each caption is decoded under "
                    "it (grammar-constrained) and its record's caption is the parsed JSON object")
     p.add_argument("--attention-maps", metavar="DIR", help="write a visual-attention overlay PNG per caption")
@@ -226,10 +244,11 @@ def _add_caption(sub) -> None:
     p.add_argument("--no-temporal", action="store_true", help="do not draft from the previous keyframe's caption")
     p.add_argument("--no-visual-aware", action="store_true", help="do not shrink trees where the target looks "
                                                                   "hard at the image")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--num-slots", type=int, default=8)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weight precision of target and drafts (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--num-slots", type=int, default=8, help="captions decoded together in one batch (default 8)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (drawn only on a terminal)")
     p.set_defaults(func=cmd_caption)
 
 
@@ -252,13 +271,19 @@ def cmd_caption(args) -> int:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks (results go to docs/benchmarks.md)")
+    p = sub.add_parser("bench", help="benchmarks (results go to docs/benchmarks.md)",
+                       description="Benchmarks: each measures its configurations in one run and writes JSON (and "
+                                   "plots) under docs/bench; docs/benchmarks.md reports them.")
     bsub = p.add_subparsers(dest="bench", required=True)
     spec = bsub.add_parser("spec", help="speculative decoding vs no speculation vs Hugging Face generate "
-                                        "(--real: on the real Qwen2.5-Coder pair)")
+                                        "(--real: on the real Qwen2.5-Coder pair)",
+                           description="Speculative decoding against decoding without speculation and against "
+                                       "Hugging Face generate, on the same prompts in one run: tokens/s, tau, and "
+                                       "whether the outputs are identical. --real runs the real Qwen2.5-Coder "
+                                       "pair (about 11 GB of RAM).")
     spec.add_argument("--target", help="target checkpoint (default: a built-in random mid-size pair)")
-    spec.add_argument("--draft", action="append", default=[])
-    spec.add_argument("--prompts", type=int, default=4)
+    spec.add_argument("--draft", action="append", default=[], help="draft checkpoint (repeatable)")
+    spec.add_argument("--prompts", type=int, default=4, help="prompts decoded together (default 4)")
     spec.add_argument("--max-new-tokens", "--new-tokens", dest="max_new_tokens", type=_int_at_least("--new-tokens", 1),
                       default=64, help="new tokens per request (default 64)")
     spec.add_argument("--out", type=Path, default=Path("docs/bench"), help="output dir for JSON and plots")
@@ -325,7 +350,7 @@ def _dispatch_passthrough(argv: list[str]) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specstream", description=__doc__)
+    parser = argparse.ArgumentParser(prog="specstream", description=DESCRIPTION)
     from specstream import __version__
 
     parser.add_argument("--version", action="version", version=f"specstream {__version__}")

@@ -1,7 +1,14 @@
 """Typed errors of specstream. Every error carries a stable machine-readable ``code``.
 
 The codes are part of the output contract: the CLI's error records, HTTP error bodies and Kafka error results
-all use them.
+all use them. One fault has one code on every command: a source that does not exist or cannot be read (missing, a
+directory, no permission, empty) is ``unreadable_source`` (:class:`UnreadableSourceError`) whether it is an input
+of ``caption``, the audio of ``transcribe``, ``qa``'s manifest or one of its videos, ``generate
+--prompt-ids-file`` or ``simulate --trace``.
+
+Exit statuses of the commands: 0 done; 1 some inputs failed, each with its error record in the output (and, for
+``caption``, a ``failed SOURCE [code]: message`` line on stderr) while the others were done; 2 a fatal error (one
+line on stderr, :func:`error_line`) or mistyped arguments (argparse's usage line); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -85,7 +92,8 @@ class MediaError(SpecstreamError):
 
 
 class UnreadableSourceError(MediaError):
-    """The source cannot be read at all: missing, a directory, no permission, or empty (0 bytes)."""
+    """The source cannot be read at all: missing, a directory, no permission, or empty (0 bytes). The same code on
+    every command and for every kind of source (video, image, audio, a manifest, a prompt or trace file)."""
 
     code = "unreadable_source"
 

@@ -683,18 +683,19 @@ def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str 
         qos: the QoS class of the decoding work when ``model`` is bound to a device loop (:meth:`SpeechModel.bind`).
 
     Raises:
-        AudioDecodeError, CheckpointNotFoundError, UnsupportedArchitectureError, InvalidRequestError.
+        UnreadableSourceError (missing, a directory, empty), AudioDecodeError, CheckpointNotFoundError,
+        UnsupportedArchitectureError, InvalidRequestError.
     """
     t0 = time.perf_counter()
     if task not in TASKS:
         raise InvalidRequestError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    audio = source if isinstance(source, np.ndarray) else load_audio(source)  # a bad source fails before the model
     sm = model if isinstance(model, SpeechModel) else SpeechModel.load(model, dtype=dtype, device=device)
     if not sm.multilingual:
         language = "en"
     elif language is not None and language not in sm.tokens.languages:
         raise InvalidRequestError(f"unknown language {language!r}; this model knows "
                                   f"{', '.join(sorted(sm.tokens.languages))}")
-    audio = source if isinstance(source, np.ndarray) else load_audio(source)
     name = "<samples>" if isinstance(source, np.ndarray) else str(source)
     tmap = None
     work = audio
@@ -863,7 +864,8 @@ WRITERS = {"srt": write_srt, "vtt": write_vtt, "jsonl": write_jsonl}
 
 def transcribe_main(argv: list[str]) -> int:
     """``specstream transcribe AUDIO_OR_VIDEO [--format srt|vtt|jsonl] [-o OUT] ...``; returns the exit code
-    (0 ok, 1 a specstream error printed as ``{"error": {"code", "message"}}`` on stderr, 2 bad arguments)."""
+    (0 ok; 2 a fatal error, printed as one line on stderr (``errors.error_line``: ``error [code]: message``, or
+    ``{"error": {"code", "message"}}`` with ``--format jsonl``), or bad arguments)."""
     parser = argparse.ArgumentParser(prog="specstream transcribe",
                                      description="Transcribe an audio file or a video's audio track with Whisper "
                                                  "(speculative decoding in the specstream engine).")
@@ -889,8 +891,9 @@ def transcribe_main(argv: list[str]) -> int:
     parser.add_argument("--drafter", choices=DRAFTERS, default="ngram", help="draft source (default ngram)")
     parser.add_argument("--no-speculate", action="store_true", help="plain decoding, one token per decoder step")
     parser.add_argument("--batch-size", type=int, default=4, help="windows decoded together (--without-timestamps)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (default cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="precision of the Whisper weights (default float32)")
     parser.add_argument("--stats", action="store_true", help="print transcription info as JSON on stderr")
     try:
         args = parser.parse_args(argv)
@@ -912,9 +915,9 @@ def transcribe_main(argv: list[str]) -> int:
                             vad_filter=not args.no_vad_filter,
                             condition_on_previous_text=args.condition_on_previous_text, device=args.device,
                             dtype=args.dtype)
-    except SpecstreamError as exc:
+    except SpecstreamError as exc:  # the one source of the command: a fatal error (README: exit 2)
         print(error_line(exc.code, exc.message, as_json), file=sys.stderr)
-        return 1
+        return 2
     writer = WRITERS[args.format]
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:

@@ -202,6 +202,8 @@ def test_cli_caption_writes_jsonl_attention_maps_and_exit_code(tmp_path, src, cl
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert lines[0]["source"] == src["astronaut"] and len(lines[0]["tokens"]) == 5
     assert lines[1]["error"]["code"] == "unreadable_source"
+    empty = clips["empty.mp4"]
+    assert f"failed {empty} [unreadable_source]: file is empty (0 bytes): {empty}\n" in proc.stderr
     assert (maps / "astronaut_f000000.png").exists()
     assert "captions" in proc.stderr and "tau" in proc.stderr
 

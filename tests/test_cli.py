@@ -25,11 +25,14 @@ def test_generate_json_contract_and_exactness(tiny, hf_target):
     assert len(out) == 1
     rec = json.loads(out[0])
     assert set(rec) == {"tokens", "finish_reason", "stats"}
-    assert set(rec["stats"]) == {"target_steps", "accepted_per_step", "mean_accepted", "tau", "decode_s"}
+    assert set(rec["stats"]) == {"target_steps", "prefill_steps", "accepted_per_step", "mean_accepted", "tau",
+                                 "decode_s"}
     assert 0 < rec["stats"]["decode_s"] < 300
     assert rec["tokens"] == hf_greedy(hf_target, [5, 6, 7, 8, 5, 6], 12)
     assert rec["finish_reason"] == "length"
-    assert len(rec["stats"]["accepted_per_step"]) == rec["stats"]["target_steps"] - 1
+    # one prefill forward (it commits the first token, verifies no draft), then one entry per verify step
+    assert rec["stats"]["prefill_steps"] == 1
+    assert len(rec["stats"]["accepted_per_step"]) == rec["stats"]["target_steps"] - rec["stats"]["prefill_steps"]
     assert rec["stats"]["tau"] == round(12 / rec["stats"]["target_steps"], 6)
 
 
@@ -93,6 +96,7 @@ def test_clear_errors_and_exit_codes(tiny, tmp_path):
 
 @pytest.mark.parametrize("content", ["[1, 2]\n[1, 2\n", "[1, 2]\n[true, 2]\n", "[1, 2]\n{\"ids\": [1]}\n", None])
 def test_bad_prompt_ids_file_is_a_clear_error(tiny, tmp_path, capsys, content):
+    """A malformed file is ``invalid_request``; a missing one ``unreadable_source`` (as on every command)."""
     from specstream.cli import main
 
     path = tmp_path / "p.jsonl"
@@ -101,7 +105,10 @@ def test_bad_prompt_ids_file_is_a_clear_error(tiny, tmp_path, capsys, content):
     assert main(["generate", "--target", str(tiny.target), "--prompt-ids-file", str(path), "--max-new-tokens",
                  "2", "--json"]) == 2
     err = capsys.readouterr().err
-    assert "invalid_request" in err and ("p.jsonl:2" in err if content else "No such file" in err)
+    if content:
+        assert "invalid_request" in err and "p.jsonl:2" in err
+    else:
+        assert "unreadable_source" in err and "No such file" in err
 
 
 def test_serve_rejects_bad_settings_with_a_clear_message(capsys, monkeypatch):
@@ -136,6 +143,9 @@ def test_caption_prompt_longer_than_the_context_ends_as_error_records(tmp_path, 
     assert {r["error"]["code"] for r in records} == {"context_length_exceeded"}
     assert "captioning: 100%" in err and "| 2/2 [" in err and " input/s" in err and "failed=2" in err
     assert "2 inputs (2 failed): 2 frames decoded, 2 keyframes, 0 captions, 0 tokens in" in err
+    shown = [seg.strip() for seg in err.replace("\r", "\n").splitlines()]  # the bar redraws with \r
+    for source in (src["astronaut"], src["rocket"]):  # each failure named on stderr (before: only the counts)
+        assert any(s.startswith(f"failed {source} [context_length_exceeded]: prompt of ") for s in shown), err
     one = CaptionJobSummary(inputs=1, frames_decoded=1, keyframes=1, captions=1, tokens=1, target_steps=1,
                             seconds=1.0).line()
     assert one.startswith("1 input (0 failed): 1 frame decoded, 1 keyframe, 1 caption, 1 token in 1.0 s")

@@ -225,3 +225,45 @@ def test_image_installs_what_the_commands_import(command):
         if not dists & image:
             missing[name] = sorted(dists)
     assert not missing, f"`specstream {command}` imports these, which the image does not install: {missing}"
+
+
+# -- the compose file without the docker compose plugin (scripts/check_compose.py) --------------------------------
+
+def _check_compose():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_compose", ROOT / "scripts" / "check_compose.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compose_file_checks_clean_and_its_mounts_exist():
+    """Before: compose mounted ``./media`` (``deploy/media``), which the repository lacked, and nothing checked
+    the file where the ``docker compose`` plugin is absent."""
+    assert _check_compose().check(DEPLOY / "docker-compose.yml") == []
+    assert (DEPLOY / "media").is_dir()
+
+
+def test_compose_check_names_each_problem(tmp_path):
+    """A copy with a missing bind mount, an undeclared named volume, a missing service, a bad port and a
+    command ``specstream serve`` does not parse: one line each."""
+    data = compose()
+    data["services"]["api"]["volumes"] = ["./nowhere:/media:ro", "models:/cache"]
+    data["services"]["api"]["ports"] = ["eighty:8000"]
+    data["services"]["api"]["command"] = ["serve", "--broker", "kafka://kafka:9092"]
+    data["services"]["worker"]["depends_on"] = {"zookeeper": {"condition": "service_started"}}
+    path = tmp_path / "deploy" / "docker-compose.yml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(data))
+    (tmp_path / "deploy" / "Dockerfile").write_text("FROM scratch\n")  # build: {context: .., dockerfile: deploy/...}
+    (tmp_path / "deploy" / "media").mkdir()
+    got = _check_compose().check(path)
+    where = f"{path}: services."
+    assert got == [
+        f"{where}api.volumes: the bind-mount source {path.parent / 'nowhere'} does not exist",
+        f"{where}api.volumes: named volume 'models' is not declared under volumes",
+        f"{where}api.ports: 'eighty:8000' is not HOST:CONTAINER",
+        f"{where}api.command: `specstream serve --broker kafka://kafka:9092` does not parse (usage message above)",
+        f"{where}worker.depends_on: no service 'zookeeper'",  # safe_dump sorts: api, kafka, worker
+    ]

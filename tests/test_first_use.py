@@ -117,13 +117,14 @@ def test_media_recognised_by_content(tmp_path, src, clips):
                      "anim": "video", "empty.mp4": "video"}
     with pytest.raises(UnsupportedMediaError, match="neither an image nor a video"):
         media_kind(str(d / "notes.txt"))
-    assert [Path(p).name for p in expand_inputs([str(d)])] == ["anim", "clip", "clip.png", "empty.mp4", "photo",
-                                                              "rocket.bin"]
+    files, skipped = expand_inputs([str(d)])
+    assert [Path(p).name for p in files] == ["anim", "clip", "clip.png", "empty.mp4", "photo", "rocket.bin"]
+    assert [Path(p).name for p in skipped] == ["notes.txt"]
 
 
-def test_upload_without_extension_is_recognised_by_content(src):
+def test_upload_without_extension_is_recognised_by_content(src, capsys):
     """``POST /v1/captions`` with a PNG uploaded as ``photo`` (no extension): captioned as an image (before:
-    ``unsupported_media``)."""
+    ``unsupported_media``). The untrained-models notice names serve's own flags (before: ``--target/--draft``)."""
     from fastapi.testclient import TestClient
 
     from specstream.pipeline.server import ServerSettings, create_app
@@ -135,3 +136,5 @@ def test_upload_without_extension_is_recognised_by_content(src):
     assert res.status_code == 200, res.text
     (rec,) = res.json()["records"]
     assert (rec["source"], rec["kind"], len(rec["tokens"])) == ("photo", "image", 2)
+    err = capsys.readouterr().err
+    assert "Point --caption-target/--caption-draft at real checkpoints, e.g. --caption-target llava-hf/" in err, err

@@ -107,8 +107,8 @@ def test_transcribe_command_on_video(sm, spoken, tmp_path, capsys):
     assert transcribe_main([str(spoken[0]), "--format", "jsonl", "--drafter", "none", "--no-speculate"]) == 0
     rec = json.loads(capsys.readouterr().out.splitlines()[0])
     assert set(rec) == {"start_s", "end_s", "text"} and rec["start_s"] == 0.0
-    assert transcribe_main([str(tmp_path / "missing.wav"), "--format", "jsonl"]) == 1  # JSON mode: a JSON error
-    assert json.loads(capsys.readouterr().err)["error"]["code"] == "audio_decode_error"
+    assert transcribe_main([str(tmp_path / "missing.wav"), "--format", "jsonl"]) == 2  # JSON mode: a JSON error
+    assert json.loads(capsys.readouterr().err)["error"]["code"] == "unreadable_source"
     assert transcribe_main([str(spoken[0]), "--format", "docx"]) == 2
 
 

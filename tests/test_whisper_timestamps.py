@@ -296,7 +296,7 @@ def test_transcribe_command_selects_base_by_name(whisper_base_ct2, spoken, speec
             link.unlink()
         elif link.exists():
             shutil.rmtree(link)
-    assert transcribe_main([str(spoken[0]), "--model", "whisper-base", "--format", "jsonl"]) == 1
+    assert transcribe_main([str(spoken[0]), "--model", "whisper-base", "--format", "jsonl"]) == 2  # fatal: exit 2
     err = json.loads(capsys.readouterr().err)["error"]
     assert err["code"] == "checkpoint_not_found" and "specstream models fetch whisper-base" in err["message"]
     assert transcribe_main([str(spoken[0]), "--max-chars", "0"]) == 2
