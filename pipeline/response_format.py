@@ -1,7 +1,6 @@
 """OpenAI's ``response_format`` as the JSON Schema the engine constrains to (not wired into the routes yet).
 
-``/v1/chat/completions`` does not call this yet (issue 21 item 2; the routes' request parsing is being rewritten
-in issue 22); ``ModelHub.generate(schema=...)`` takes what it returns. Shapes follow OpenAI's Chat Completions
+``/v1/chat/completions`` does not call this yet; ``ModelHub.generate(schema=...)`` takes what it returns. Shapes follow OpenAI's Chat Completions
 reference: ``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name": ...,
 "schema": {...}, "strict": true}}``.
 """
