@@ -44,6 +44,8 @@ class GrammarDrafter(Drafter):
 
     def observe(self, state: dict, slot: int, tree: TokenTree, accepted: list[int], committed: list[int]) -> None:
         """Count accepted tokens on nodes this drafter proposed (walking the verified tree along ``accepted``)."""
+        if not state.get("nodes"):  # proposed nothing for this request this step
+            return
         mine = {d.child for d in tree.draws if d.proposal.drafter == self.name}
         node = 0
         for tok in accepted:
