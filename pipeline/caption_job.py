@@ -115,7 +115,8 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
                             max_keyframes_per_minute: float | None, attention_maps: Path | None,
                             qos: str = "batch", progress=None, broker: InProcessBroker | None = None,
                             max_in_flight: int = 8, allowed_roots: list[Path] | None = None,
-                            failed_early: dict[int, ErrorInfo] | None = None, report=None) -> CaptionJobSummary:
+                            failed_early: dict[int, ErrorInfo] | None = None, report=None,
+                            schema: dict | None = None) -> CaptionJobSummary:
     """Run the graph over ``inputs``; write one JSON line per caption / failed input to ``out``.
 
     ``broker``: the in-process broker to run on (default: one whose frames topic holds ``FRAMES_TOPIC_BOUND``
@@ -124,7 +125,8 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
     the inputs must lie in, checked when each is opened (None: any path; the command line's own inputs).
     ``failed_early``: input index -> the error it already failed with (``check_input``); those inputs are not
     sent through the graph, their records are written in their place. ``report``: called with the stderr line
-    of each failed input (``failure_line``) as its record is written (None: not reported)."""
+    of each failed input (``failure_line``) as its record is written (None: not reported). ``schema``: a JSON
+    Schema every caption follows (``CaptionParams.schema``)."""
     failed_early = failed_early or {}
     summary = CaptionJobSummary(inputs=len(inputs))
     if broker is None:
@@ -134,6 +136,8 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
     params = {"prompt": prompt, "max_new_tokens": max_new_tokens}
     if max_keyframes_per_minute:
         params["max_keyframes_per_minute"] = max_keyframes_per_minute
+    if schema is not None:
+        params["schema"] = schema
     ids = [f"input-{i}" for i in range(len(inputs))]
     buffered: dict[str, dict[int, PipelineResult]] = {rid: {} for rid in ids}  # results not written yet, by seq
     for i, path in enumerate(inputs):
@@ -210,9 +214,11 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
                     max_keyframes_per_minute: float | None = None, attention_maps: str | None = None,
                     tree: str = "1,1,3,1,1,1,1,1", temporal: bool = True, visual_aware: bool = True,
                     dtype: str = "float32", device: str = "cpu", num_slots: int = 8,
-                    show_progress: bool | None = None) -> CaptionJobSummary:
+                    show_progress: bool | None = None, schema: dict | None = None) -> CaptionJobSummary:
     """Caption ``inputs`` (files or directories) into ``out_path`` (JSONL; ``-`` for stdout; missing parent
-    directories are created).
+    directories are created). With ``schema`` (a JSON Schema) every caption is grammar-constrained to it and its
+    record's ``caption`` is the parsed JSON value; the schema is compiled once the model is loaded, before any
+    input is read.
 
     Every input is checked first (``check_input``: exists, readable, an image or a video); the models load only
     when some input passed. Each failed input gets its record in ``out_path`` and a line on stderr
@@ -221,6 +227,7 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
 
     Raises:
         UnreadableSourceError: no media file among ``inputs``.
+        InvalidSchemaError, SchemaCompileTimeoutError: a schema the grammar library cannot compile in time.
         ValueError: a malformed ``tree`` (see ``TreeSpec.parse``).
     """
     from specstream.pipeline.defaults import default_caption_models
@@ -267,6 +274,8 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
         captioner = Captioner(target, drafts, tree_spec, temporal=temporal, visual_aware=visual_aware,
                               num_slots=num_slots, dtype=dtype, device=device,
                               attention_maps=attention_maps is not None)
+        if schema is not None:
+            captioner.grammar(schema)  # a schema that cannot compile fails the job before any decoding
         show = sys.stderr.isatty() if show_progress is None else show_progress
         if show:
             from tqdm import tqdm
@@ -278,7 +287,7 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
         summary = asyncio.run(run_caption_graph(files, captioner, out, prompt, max_new_tokens,
                                                 max_keyframes_per_minute,
                                                 Path(attention_maps) if attention_maps else None, progress=progress,
-                                                failed_early=failed_early, report=report))
+                                                failed_early=failed_early, report=report, schema=schema))
         summary.skipped = len(skipped)
         return summary
     finally:

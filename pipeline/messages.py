@@ -32,10 +32,19 @@ class Source(BaseModel):
 
 
 class CaptionParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # the field is ``schema_`` in Python (``BaseModel.schema`` is pydantic's), ``schema`` on the wire
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
     prompt: str = "Describe this image."
     max_new_tokens: int = Field(32, ge=1, le=4096)
     max_keyframes_per_minute: float | None = Field(None, gt=0)
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description=(
+        "a JSON Schema the caption must follow (grammar-constrained decoding): the record's caption is then the "
+        "parsed JSON object, or the partial text with finish_reason 'length'; a schema that cannot be compiled "
+        "is an 'invalid_schema' error record"))
+
+    @property
+    def schema(self) -> dict[str, Any] | None:
+        return self.schema_
 
 
 class Question(BaseModel):
@@ -52,7 +61,8 @@ class Question(BaseModel):
 class QaParams(BaseModel):
     """Params of a ``video_qa`` request: one result per question, in order (``seq`` = the question's index)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # the field is ``schema_`` in Python (``BaseModel.schema`` is pydantic's), ``schema`` on the wire
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
     video_id: str | None = Field(None, max_length=256, description="the manifest's video id (default: the request id)")
     questions: list[Question] = Field(min_length=1, max_length=4096)
     max_frames: int = Field(4, ge=1, le=64, description="frames shown per question, at most")
@@ -62,6 +72,14 @@ class QaParams(BaseModel):
     use_transcript: bool = True
     answer_with: Literal["vlm", "text"] = Field("vlm", description="text: the text model, from the transcript")
     max_keyframes_per_minute: float | None = Field(None, gt=0)
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description=(
+        "a JSON Schema every answer must follow (grammar-constrained decoding): the result's answer is then the "
+        "parsed JSON value, or the partial text with finish_reason 'length'; a schema that cannot be compiled is "
+        "an 'invalid_schema' error result"))
+
+    @property
+    def schema(self) -> dict[str, Any] | None:
+        return self.schema_
 
     @model_validator(mode="after")
     def _unique_questions(self):
@@ -116,10 +134,12 @@ class CaptionRecord(BaseModel):
     kind: Literal["video", "image"]
     frame_index: int
     timestamp_s: float
-    caption: str
+    caption: str | dict[str, Any] | list[Any] | int | float | bool | None = Field(description=(
+        "the caption text; with a schema, the parsed JSON value (the partial text when finish_reason is 'length')"))
     tokens: list[int]
     scene_score: float
     stats: dict[str, Any]
+    finish_reason: Literal["eos", "length"] | None = Field(None, description="with a schema only")
 
 
 class ErrorInfo(BaseModel):

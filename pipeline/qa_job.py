@@ -63,6 +63,7 @@ class ManifestEntry:
     video: str
     path: str
     questions: list[dict[str, str]]
+    schema: dict[str, Any] | None = None  # the line's JSON Schema for its answers (overrides ``--schema``)
 
 
 @dataclass
@@ -134,7 +135,8 @@ def read_manifest(path: str | os.PathLike) -> tuple[list[ManifestEntry], list[Ma
             continue
         seen.add(vid)
         questions = [{"id": q["id"], "text": q["text"]} for q in obj["questions"]]
-        entries.append(ManifestEntry(n, vid, obj["video"], _resolve(obj["video"], p.parent), questions))
+        entries.append(ManifestEntry(n, vid, obj["video"], _resolve(obj["video"], p.parent), questions,
+                                     obj.get("schema")))
     return entries, problems
 
 
@@ -145,9 +147,11 @@ def _check_entry(obj: Any, vid: str | None, seen: set[str]) -> str | None:
         return "'id' must be a string of 1-256 characters"
     if vid in seen:
         return f"video id {vid!r} repeats an earlier line"
-    extra = set(obj) - {"id", "video", "questions"}
+    extra = set(obj) - {"id", "video", "questions", "schema"}
     if extra:
         return f"unknown fields {sorted(extra)}"
+    if "schema" in obj and not isinstance(obj["schema"], dict):
+        return "'schema' must be a JSON Schema object"
     if not isinstance(obj.get("video"), str) or not obj["video"]:
         return "'video' must be a path or URI"
     qs = obj.get("questions")
@@ -263,12 +267,13 @@ class QaOptions:
     use_transcript: bool = True
     answer_with: str = "vlm"
     max_keyframes_per_minute: float | None = None
+    schema: dict[str, Any] | None = None  # ``--schema``: every answer follows this JSON Schema
 
     def params(self) -> dict[str, Any]:
         return {"max_frames": self.max_frames, "max_visual_tokens": self.max_visual_tokens,
                 "max_new_tokens": self.max_new_tokens, "max_transcript_tokens": self.max_transcript_tokens,
                 "use_transcript": self.use_transcript, "answer_with": self.answer_with,
-                "max_keyframes_per_minute": self.max_keyframes_per_minute}
+                "max_keyframes_per_minute": self.max_keyframes_per_minute, "schema": self.schema}
 
 
 @dataclass
@@ -322,7 +327,10 @@ def plan(entries: list[ManifestEntry], answers: AnswerFile, options: QaOptions, 
             continue
         rid = f"qa-{tag}-{k}"
         uri = e.path if "://" in e.path else "file://" + e.path
-        params = QaParams(video_id=e.video_id, questions=[q for _, q in pending], **options.params())
+        opts = options.params()
+        if e.schema is not None:
+            opts["schema"] = e.schema
+        params = QaParams(video_id=e.video_id, questions=[q for _, q in pending], **opts)
         requests.append(PipelineRequest(id=rid, task="video_qa", source=Source(uri=uri), qos="batch",
                                         params=params.model_dump(exclude_none=True)))
         index[rid] = (e, [q["id"] for _, q in pending])
@@ -511,6 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-transcript", action="store_true", help="do not show the transcript")
     p.add_argument("--max-keyframes-per-minute", type=float, default=None,
                    help="cap on the keyframes kept per minute of video (default: no cap)")
+    p.add_argument("--schema", type=Path, metavar="S.json", help="JSON Schema file: every answer is decoded under "
+                   "it and its line's answer is the parsed JSON value (a manifest line's own 'schema' wins)")
     p.add_argument("--target", help="VLM checkpoint (default: the built-in tiny model, untrained)")
     p.add_argument("--draft", action="append", default=[], help="draft checkpoint of the VLM (repeatable)")
     p.add_argument("--text-model", help="answer from the transcript with this text model (dir or hub id)")
@@ -568,10 +578,13 @@ def qa_main(argv: list[str]) -> int:
                                   "downloaded)")
     if not Path(args.manifest).is_file():
         raise UnreadableSourceError(f"manifest {args.manifest}: no such file")
+    from specstream.stages.speculative.grammar import read_schema_file
+
     options = QaOptions(max_frames=args.max_frames, max_visual_tokens=args.max_visual_tokens,
                         max_new_tokens=args.max_new_tokens, max_transcript_tokens=args.max_transcript_tokens,
                         use_transcript=not args.no_transcript, answer_with="text" if args.text_model else "vlm",
-                        max_keyframes_per_minute=args.max_keyframes_per_minute)
+                        max_keyframes_per_minute=args.max_keyframes_per_minute,
+                        schema=read_schema_file(args.schema) if args.schema is not None else None)
     make_hub = kafka = None
     if args.broker:
         from specstream.pipeline.kafka import KafkaSettings

@@ -217,6 +217,13 @@ def cmd_generate(args) -> int:
     return 1 if any(r.error for r in reqs) else 0
 
 
+def _read_schema(path: Path) -> dict:
+    """``--schema S.json`` (:func:`specstream.stages.speculative.grammar.read_schema_file`)."""
+    from specstream.stages.speculative.grammar import read_schema_file
+
+    return read_schema_file(path)
+
+
 def _add_caption(sub) -> None:
     p = sub.add_parser("caption", help="caption videos (per keyframe) and images to JSONL",
                        description="Keyframes -> vision encoding -> speculative decoding with a VLM verifier. "
@@ -230,6 +237,8 @@ def _add_caption(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per caption at most (default 32)")
     p.add_argument("--max-keyframes-per-minute", type=float, default=None,
                    help="cap on the keyframes kept per minute of video (default: no cap)")
+    p.add_argument("--schema", type=Path, metavar="S.json", help="JSON Schema file: each caption is decoded under "
+                   "it (grammar-constrained) and its record's caption is the parsed JSON object")
     p.add_argument("--attention-maps", metavar="DIR", help="write a visual-attention overlay PNG per caption")
     p.add_argument("--tree", default="1,1,3,1,1,1,1,1", help="draft tree widths or dynamic:NODES")
     p.add_argument("--no-temporal", action="store_true", help="do not draft from the previous keyframe's caption")
@@ -257,11 +266,12 @@ def cmd_caption(args) -> int:
         TreeSpec.parse(args.tree)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
+    schema = _read_schema(args.schema) if args.schema is not None else None
     summary = run_caption_job(args.inputs, args.out, args.target, args.draft, args.prompt, args.max_new_tokens,
                               args.max_keyframes_per_minute, args.attention_maps, args.tree,
                               temporal=not args.no_temporal, visual_aware=not args.no_visual_aware,
                               dtype=args.dtype, device=args.device, num_slots=args.num_slots,
-                              show_progress=False if args.no_progress else None)
+                              show_progress=False if args.no_progress else None, schema=schema)
     print(summary.line(), file=sys.stderr)
     return 1 if summary.failed_inputs else 0
 

@@ -254,3 +254,20 @@ class InsufficientSpaceError(SpecstreamError):
     """Too little free disk space for a download or conversion; nothing was started."""
 
     code = "insufficient_space"
+
+
+# --- structured output ------------------------------------------------------------------------------------------
+
+
+class InvalidSchemaError(InvalidRequestError):
+    """A JSON Schema (``--schema``, a manifest line's or a Kafka request's ``schema``) that the grammar library
+    cannot compile: not JSON, not a schema, or a feature it does not support. Raised before any decoding."""
+
+    code = "invalid_schema"
+
+
+class SchemaCompileTimeoutError(InvalidRequestError):
+    """Compiling a JSON Schema into a grammar took longer than the named limit
+    (:data:`specstream.stages.speculative.grammar.SCHEMA_COMPILE_TIMEOUT_S`)."""
+
+    code = "schema_compile_timeout"

@@ -356,6 +356,8 @@ class Captioner:
         tree = tree or TreeSpec()
         self.vlm = VisionLanguageModel(target, dtype, device)
         dec = self.vlm.decoder
+        self._grammars: dict[str, object] = {}  # schema JSON text -> compiled Grammar
+        self._grammar_lock = threading.Lock()
         max_len = min(max_len, dec.config.max_position_embeddings)
         vocab_limit = min(len(self.vlm.tokenizer), dec.config.vocab_size)
         drafters = []
@@ -442,6 +444,25 @@ class Captioner:
                                         logprobs=logprobs, logits_processors=logits_processors,
                                         draft_hypothesis=tuple(hypothesis) if self.temporal is not None
                                         and hypothesis else None)
+
+    def grammar(self, schema: dict):
+        """The compiled grammar of a JSON Schema over the VLM's vocabulary (cached per schema; thread-safe;
+        the first call also builds the vocabulary table, about a second for GPT-2's).
+
+        Raises:
+            InvalidSchemaError, SchemaCompileTimeoutError (``stages/speculative/grammar.py``).
+        """
+        import json
+
+        from specstream.stages.speculative.grammar import Grammar, tokenizer_info
+
+        key = json.dumps(schema, sort_keys=True)
+        with self._grammar_lock:
+            g = self._grammars.get(key)
+            if g is None:
+                info = tokenizer_info(self.vlm.tokenizer, self.vlm.decoder.config.vocab_size, self.vlm.eos_token_ids)
+                g = self._grammars[key] = Grammar.from_json_schema(schema, info)
+            return g
 
     def text(self, tokens: list[int]) -> str:
         eos = set(self.vlm.eos_token_ids)
@@ -582,7 +603,13 @@ class CaptionStage:
             prepared = await asyncio.to_thread(self.captioner.vlm.prepare, frame.image, frame.params.prompt)
         except Exception as exc:
             raise CorruptMediaError(f"image preprocessing failed: {exc}") from exc
-        req = self.captioner.make_request(prepared, frame.params.max_new_tokens, frame.qos, hypothesis)
+        schema = frame.params.schema
+        procs = ()
+        if schema is not None:  # compiled before any decoding: a schema it cannot compile is this frame's error
+            grammar = await asyncio.to_thread(self.captioner.grammar, schema)
+            procs = (grammar.constraint(len(prepared.input_ids)),)
+        req = self.captioner.make_request(prepared, frame.params.max_new_tokens, frame.qos, hypothesis,
+                                          logits_processors=procs)
         t0 = time.perf_counter()
         done = await self.loop.submit(req)  # cancelled with this task: the loop frees its slot
         self.stats.decode_s += time.perf_counter() - t0
@@ -596,6 +623,10 @@ class CaptionStage:
                   "scene_score": round(frame.scene_score, 6),
                   "stats": {"target_steps": done.stats.target_steps,
                             "mean_accepted": round(done.stats.mean_accepted, 6), "tau": round(done.stats.tau, 6)}}
+        if schema is not None:
+            from specstream.stages.speculative.grammar import structured_output
+
+            record["caption"], record["finish_reason"] = structured_output(caption, done.finish_reason)
         if self.attention_maps is not None and vis:
             from specstream.stages.attention_maps import save_attention_map
 

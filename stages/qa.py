@@ -357,7 +357,7 @@ class QaStage:
             prompt = self._prompt(ctx, chosen, question, lines, kind)
         t0 = time.perf_counter()
         gen = await self.hub.generate(prompt, GenerationParams(max_new_tokens=params.max_new_tokens), kind=kind,
-                                      qos=QOS_BATCH, hypothesis=hypothesis)
+                                      qos=QOS_BATCH, hypothesis=hypothesis, schema=params.schema)
         self.stats["decode_s"] += time.perf_counter() - t0
         self.stats["tokens"] += len(gen.tokens)
         self.stats["target_steps"] += gen.stats["target_steps"]
@@ -368,6 +368,11 @@ class QaStage:
                   "stats": {**gen.stats, "model": gen.model, "prompt_tokens": gen.prompt_tokens,
                             "visual_tokens": gen.visual_tokens, "transcript_segments": len(lines),
                             "audio": ctx.audio, "finish_reason": gen.finish_reason}}
+        if params.schema is not None:  # the parsed JSON value (the partial text when the token limit cut it)
+            from specstream.stages.speculative.grammar import structured_output
+
+            record["answer"], _ = structured_output(gen.text, "eos" if gen.finish_reason == "stop"
+                                                    else gen.finish_reason)
         draft = gen.tokens[:-1] if gen.finish_reason == "stop" else list(gen.tokens)  # without the end token
         return record, draft
 

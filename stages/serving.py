@@ -278,6 +278,26 @@ class LoadedModel:
     vlm: Any = None
     captioner: Any = None
     tokenizer: Any = None
+    grammars: dict = field(default_factory=dict)  # JSON Schema text -> compiled Grammar (``generate(schema=)``)
+
+
+def _grammar_of(m: LoadedModel, schema: dict):
+    """``schema`` compiled for ``m``'s vocabulary (cached on the model, per schema text)."""
+    import json
+
+    from specstream.stages.speculative.grammar import Grammar, tokenizer_info
+
+    key = json.dumps(schema, sort_keys=True)
+    with _GRAMMAR_LOCK:
+        g = m.grammars.get(key)
+        if g is None:
+            tok = m.tokenizer if m.tokenizer is not None else m.vlm.tokenizer
+            info = tokenizer_info(tok, m.decoder.config.vocab_size, m.eos)
+            g = m.grammars[key] = Grammar.from_json_schema(schema, info)
+        return g
+
+
+_GRAMMAR_LOCK = threading.Lock()
 
 
 def _eos_ids(ckpt) -> tuple[int, ...]:
@@ -541,7 +561,7 @@ class ModelHub:
     async def generate(self, prompt: Prompt, params: GenerationParams, *, model: str | None = None,
                        kind: str = "vlm", qos: str = QOS_INTERACTIVE, hypothesis: Sequence[int] | None = None,
                        on_delta: DeltaCallback | None = None,
-                       on_admitted: Callable[[], None] | None = None) -> Generation:
+                       on_admitted: Callable[[], None] | None = None, schema: dict | None = None) -> Generation:
         """Generate from ``prompt`` on ``model`` (an id from :meth:`models`; None: the ``kind`` model).
 
         Cancel by cancelling the awaiting task: the request ends at its next engine step and frees its slot.
@@ -551,26 +571,31 @@ class ModelHub:
             hypothesis: token ids of a previous answer of the same content, for the temporal drafter.
             on_delta: called on the event loop after every engine step that committed tokens (:class:`Delta`).
             on_admitted: called once the request passed every check and was queued (errors come before it).
+            schema: a JSON Schema the output must follow (grammar-constrained decoding, ``docs/structured.md``);
+                compiled (cached per model and schema) before the request is queued.
 
         Raises:
             ModelNotLoadedError, ContextLengthError (prompt + max_new_tokens over the context),
-            InvalidRequestError, CapacityError (queue full), NumericalError, SpecstreamError.
+            InvalidRequestError, CapacityError (queue full), NumericalError, SpecstreamError,
+            InvalidSchemaError, SchemaCompileTimeoutError.
         """
         gens = await self.generate_many(prompt, (params,), model=model, kind=kind, qos=qos, hypothesis=hypothesis,
                                         on_delta=None if on_delta is None else (lambda _i, d: on_delta(d)),
-                                        on_admitted=on_admitted)
+                                        on_admitted=on_admitted, schema=schema)
         return gens[0]
 
     async def generate_many(self, prompt: Prompt, params: Sequence[GenerationParams], *, model: str | None = None,
                             kind: str = "vlm", qos: str = QOS_INTERACTIVE, hypothesis: Sequence[int] | None = None,
                             on_delta: Callable[[int, "Delta"], None] | None = None,
-                            on_admitted: Callable[[], None] | None = None) -> list[Generation]:
+                            on_admitted: Callable[[], None] | None = None,
+                            schema: dict | None = None) -> list[Generation]:
         """``len(params)`` choices of one prompt (OpenAI's ``n``): the prompt is prepared once (chat template,
         tokenisation, image preprocessing), then one request per choice is submitted to the device loop at once,
         each with its own ``GenerationParams`` (its own seed: its own random stream), so the choices decode as rows
         of the same steps. The engine has no prefix sharing between KV cache slots, so each row prefills the prompt
         itself (in the same forwards). ``on_delta(choice index, delta)``; ``on_admitted`` once every choice was
-        queued. Cancelling the awaiting task cancels every choice. Raises as :meth:`generate`."""
+        queued; ``schema``: as in :meth:`generate` (compiled once, one constraint per choice). Cancelling the awaiting
+        task cancels every choice. Raises as :meth:`generate`."""
         if not params:
             raise InvalidRequestError("at least one choice")
         m = await self.model(self.kind_of(model, kind))
@@ -586,6 +611,7 @@ class ModelHub:
                                      f"{m.context} tokens in all")
         if not m.eos:
             raise InvalidRequestError(f"model {m.info.id!r} names no end-of-sequence token")
+        grammar = None if schema is None else await asyncio.to_thread(_grammar_of, m, schema)
         admitted = [0]
 
         def one_admitted() -> None:
@@ -593,7 +619,7 @@ class ModelHub:
             if admitted[0] == len(params) and on_admitted is not None:
                 on_admitted()
 
-        tasks = [asyncio.ensure_future(self._one(m, ids, prep, visual, max_new, p, qos, hypothesis,
+        tasks = [asyncio.ensure_future(self._one(m, ids, prep, visual, max_new, p, qos, hypothesis, grammar,
                                                  None if on_delta is None else functools.partial(on_delta, i),
                                                  one_admitted)) for i, p in enumerate(params)]
         try:
@@ -603,14 +629,16 @@ class ModelHub:
                 if not t.done():
                     t.cancel()
 
-    async def _one(self, m, ids, prep, visual, max_new, params: GenerationParams, qos, hypothesis, on_delta,
-                   on_admitted) -> Generation:
-        """One choice of :meth:`generate_many`: its request, submitted and followed to its end."""
+    async def _one(self, m, ids, prep, visual, max_new, params: GenerationParams, qos, hypothesis, grammar,
+                   on_delta, on_admitted) -> Generation:
+        """One choice of :meth:`generate_many`: its request (with its own grammar constraint, which holds
+        per-request matcher state), submitted and followed to its end."""
         n = len(ids)
+        procs = () if grammar is None else (grammar.constraint(n),)
         if prep is not None:
-            req = m.make_request(prep, max_new, params, qos, hypothesis, ())
+            req = m.make_request(prep, max_new, params, qos, hypothesis, procs)
         else:
-            req = m.make_request(None, max_new, params, qos, hypothesis, (), ids=ids)
+            req = m.make_request(None, max_new, params, qos, hypothesis, procs, ids=ids)
         stream = _Stream(m, params, lambda: self.loop.cancel(req.request_id), on_delta, self.finished, qos)
         try:
             finished = await self.loop.submit(req, on_tokens=stream.on_tokens, on_admitted=on_admitted)

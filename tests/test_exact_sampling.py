@@ -91,11 +91,13 @@ def build_engine(lms, drafts: list[tuple[str, str]], ngram: bool = False) -> Spe
     return SpeculativeEngine(target, drafters, EngineConfig(num_slots=1, max_len=32, adaptive=False))
 
 
-def draft_once(engine, script, default, budget, depth) -> tuple[TokenTree, int]:
+def draft_once(engine, script, default, budget, depth, processors=lambda: ()) -> tuple[TokenTree, int]:
     """The engine's drafting step for one sampled request, its uniforms scripted; returns the (merged,
-    truncated) tree and how many uniforms the drafters asked for."""
+    truncated) tree and how many uniforms the drafters asked for. ``processors()``: the request's logits
+    processors (a fresh grammar constraint per run)."""
     ex = engine.executor
-    req = engine.make_request(PROMPT, 8, SamplingParams("sample", seed=0), request_id="r")
+    req = engine.make_request(PROMPT, 8, SamplingParams("sample", seed=0), request_id="r",
+                              logits_processors=tuple(processors()))
     st = ex.admit(req)
     st.rng = ScriptedUniforms(script, default)
     for d in ex.drafters:
@@ -149,13 +151,13 @@ def exact_mss(tree: TokenTree, p: np.ndarray, m: int = 2) -> dict[tuple[int, ...
     return dict(at(0, m))
 
 
-def enumerate_step(engine, qs, budget, depth):
+def enumerate_step(engine, qs, budget, depth, processors=lambda: ()):
     """Every draw sequence of one drafting step: yields (tree, probability)."""
     cells = intervals(*qs)
 
     def runs(prefix):
         script = [cells[i][0] for i in prefix]
-        tree, calls = draft_once(engine, script, cells[0][0], budget, depth)
+        tree, calls = draft_once(engine, script, cells[0][0], budget, depth, processors)
         if calls <= len(prefix):
             yield tree, float(np.prod([cells[i][1] for i in prefix]))
         else:
@@ -310,3 +312,129 @@ def reference_walk(tree: TokenTree, p: np.ndarray, u: list[float]) -> tuple[list
             return path, bonus
         path.append(accepted)
         node = accepted
+
+
+# -- with a grammar (issue 21): the target's distribution at each node is p masked by the grammar state after
+# the node's path, renormalised; the drafts' q are masked too. Exactness means the first two tokens follow the
+# constrained target: P(x) P(y | x), each masked after its own history.
+
+GRAMMARS = {
+    # no token forced at the start; what may follow depends on the path ("b" forces "b")
+    "paths": 'root ::= ("a" [bcd] | "b" "b" | "c" [ab]) [abcd]*',
+    # "a" is forced first: the grammar drafter proposes it, merged with the model draft's sampled draws
+    "forced": 'root ::= "a" ([bc] "d" | "d" [abcd]) [abcd]*',
+}
+
+
+def masked(q, allowed: str) -> list[float]:
+    """``q`` restricted to the tokens named in ``allowed`` (letters of "abcd"), renormalised."""
+    q = np.asarray(q, np.float64) * np.isin(np.arange(V), ["abcd".index(c) for c in allowed])
+    return (q / q.sum()).tolist()
+
+
+GRAMMAR_CASES = {
+    # name: (grammar, drafts, node budget, depth, the masked q the drafts sample from)
+    "paths-chain": ("paths", [("a", "1,1")], 3, 2,
+                    [masked(Q_A, s) for s in ("abc", "bcd", "b", "ab")]),
+    "paths-width2": ("paths", [("a", "2,1")], 4, 2,
+                     [masked(Q_A, s) for s in ("abc", "bcd", "b", "ab")]),
+    "paths-merge-sampled": ("paths", [("a", "1"), ("b", "2")], 4, 1, [masked(Q_A, "abc"), masked(Q_B, "abc")]),
+    "forced-merged": ("forced", [("a", "1,1")], 3, 2, [masked(Q_A, "a"), masked(Q_A, "bcd")]),
+}
+
+
+def grammar_of(name):
+    from specstream.stages.speculative.grammar import Grammar, raw_vocab_info
+
+    return Grammar.from_ebnf(GRAMMARS[name], raw_vocab_info(["a", "b", "c", "d"]))
+
+
+def constrained_p_of(grammar, p):
+    """``path -> p`` masked after ``path`` (the output so far) and renormalised, float64."""
+    import xgrammar as xgr
+
+    def p_of(path):
+        m = xgr.GrammarMatcher(grammar.compiled)
+        for t in path:
+            assert m.accept_token(t)
+        bm = xgr.allocate_token_bitmask(1, V)
+        m.fill_next_token_bitmask(bm, 0)
+        allowed = ((int(bm[0, 0]) >> np.arange(V)) & 1).astype(bool)
+        out = np.where(allowed, p, 0.0)
+        return out / out.sum()
+
+    return p_of
+
+
+def exact_mss_paths(tree: TokenTree, p_of, m: int = 2) -> dict[tuple[int, ...], float]:
+    """:func:`exact_mss` with a target distribution per node, ``p_of(path tokens)``."""
+    ct = compile_trees([tree], "cpu", vocab_size=V)
+    tokens = ct.tokens[0].tolist()
+    child, kind, qi = ct.draw_child[0].tolist(), ct.draw_kind[0].tolist(), ct.draw_q[0].tolist()
+    q_rows = ct.q.double().numpy() if ct.q is not None else None
+
+    def alone(path, n):
+        if n == 0:
+            return {(): 1.0}
+        p = p_of(path)
+        return {(y,) + s: p[y] * pr for y in range(V) if p[y] > 0 for s, pr in alone(path + [y], n - 1).items()}
+
+    def at(node, path, n):
+        if n == 0:
+            return {(): 1.0}
+        p = p_of(path)
+        out = defaultdict(float)
+        r, reach = p.copy(), 1.0
+        for k in range(len(child[node])):
+            c = child[node][k]
+            if c < 0:
+                break
+            x = tokens[c]
+            if kind[node][k] == ProposalKind.SAMPLED:
+                q = q_rows[qi[node][k]]
+                a = min(1.0, r[x] / q[x]) if q[x] > 0 else 0.0
+                res = np.maximum(r - q, 0.0)
+            else:
+                a = r[x]
+                res = r.copy()
+                res[x] = 0.0
+            if a > 0:
+                for seq, pr in at(c, path + [x], n - 1).items():
+                    out[(x,) + seq] += reach * a * pr
+            reach *= 1.0 - a
+            r = res / res.sum() if res.sum() > 0 else p.copy()
+        for y in range(V):
+            if r[y] > 0:
+                for seq, pr in alone(path + [y], n - 1).items():
+                    out[(y,) + seq] += reach * r[y] * pr
+        return out
+
+    return dict(at(0, [], m))
+
+
+@pytest.mark.parametrize("name", sorted(GRAMMAR_CASES))
+def test_enumerated_first_tokens_follow_the_constrained_target(lms, name):
+    gname, drafts, budget, depth, qs = GRAMMAR_CASES[name]
+    grammar = grammar_of(gname)
+    engine = build_engine(lms, drafts)
+    p = target_p(engine)
+    p_of = constrained_p_of(grammar, p)
+    total = defaultdict(float)
+    mass, forced = 0.0, 0
+    for tree, prob in enumerate_step(engine, qs, budget, depth, lambda: [grammar.constraint(len(PROMPT))]):
+        assert len(tree) <= budget
+        mass += prob
+        for node in range(1, len(tree)):  # drafts are masked: every node is allowed after its parent's path
+            assert p_of(tree.path_tokens(tree.parents[node]))[tree.tokens[node]] > 0, tree.path_tokens(node)
+        forced += any(d.proposal.drafter == "grammar" for d in tree.draws)
+        for seq, pr in exact_mss_paths(tree, p_of).items():
+            total[seq] += prob * pr
+    assert mass == pytest.approx(1.0, abs=1e-12)
+    want = {}
+    for x in range(V):
+        for y in range(V):
+            want[(x, y)] = p_of([])[x] * (p_of([x])[y] if p_of([])[x] > 0 else 0.0)
+    err = max(abs(total.get(s, 0.0) - w) for s, w in want.items())
+    assert err < 2e-6, f"{name}: max error {err:.2e} over the first two tokens"
+    assert sum(want.values()) == pytest.approx(1.0)
+    assert (forced > 0) == (gname == "forced")  # the grammar drafter's forced "a" was merged in

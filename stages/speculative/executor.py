@@ -44,6 +44,8 @@ from specstream.schedulers.plan import (
 )
 from specstream.schedulers.costmodel import StepCostFit
 from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
+from specstream.stages.speculative.drafters.grammar import GrammarDrafter
+from specstream.stages.speculative.grammar import DraftView, grammar_constraint_of
 from specstream.stages.speculative.logits import apply_logits_processors
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
 from specstream.stages.speculative.tree import CompiledTrees, TokenTree, ancestor_matrix, compile_trees
@@ -130,6 +132,16 @@ class _Row:
         return self.state.request
 
 
+def _draft_constraint(req: Request) -> DraftView | None:
+    """The request's grammar constraint as its drafters see it (their prompt may lack the image tokens), or
+    None."""
+    constraint = grammar_constraint_of(req.logits_processors) if req.logits_processors else None
+    if constraint is None:
+        return None
+    shift = 0 if req.draft_prompt_ids is None else len(req.prompt_ids) - len(req.draft_prompt_ids)
+    return DraftView(constraint, constraint.begin_index - shift)
+
+
 class SpeculativeExecutor:
     """Runs step plans on one target decoder and its drafters.
 
@@ -143,13 +155,17 @@ class SpeculativeExecutor:
         attention_layers: layers whose attention on visual tokens is exported (None: the second half).
         visual_aware: shrink trees where the target looks hard at the image (text-only drafts are weakest there).
         visual_mass_threshold: attention mass on the image above which trees shrink.
+        grammar_drafter: also propose the forced tokens of requests with a grammar constraint
+            (:class:`GrammarDrafter`, merged first; it proposes nothing for other requests).
     """
 
     def __init__(self, target: LlamaDecoder, drafters: list[Drafter], num_slots: int, max_len: int,
                  full_nodes: int = 21, adaptive: bool = True, attention_layers: tuple[int, ...] | None = None,
-                 visual_aware: bool = False, visual_mass_threshold: float = 0.3):
+                 visual_aware: bool = False, visual_mass_threshold: float = 0.3, grammar_drafter: bool = True):
         self.target = target
         self.drafters = list(drafters)
+        #: the schema-derived drafter (None: off); kept apart from :attr:`drafters`, see :attr:`proposers`
+        self.grammar_drafter = GrammarDrafter() if grammar_drafter else None
         names = [d.name for d in self.drafters]
         if len(set(names)) != len(names):
             raise ValueError(f"drafter names must be unique, got {names}")
@@ -211,7 +227,7 @@ class SpeculativeExecutor:
             self.cache.clear(slot)
         else:
             self.cache.reset(slot)
-        for d in self.drafters:
+        for d in self.proposers:
             d.release(slot)
 
     def release(self, request_id: str, slot: int) -> None:
@@ -269,19 +285,30 @@ class SpeculativeExecutor:
         return tuple(results)
 
     # -- drafting -------------------------------------------------------------------------------------------
+    @property
+    def proposers(self) -> list[Drafter]:
+        """Every drafter whose trees are merged, in merge order: the grammar drafter (forced tokens are the
+        surest draft, so a node budget never cuts them first), then :attr:`drafters`."""
+        return ([self.grammar_drafter] if self.grammar_drafter is not None else []) + self.drafters
+
+    def _speculates(self, req: Request) -> bool:
+        """Whether ``req`` can get drafts: a drafter, or a grammar whose forced tokens the grammar drafter
+        proposes."""
+        return bool(self.drafters) or (self.grammar_drafter is not None and _draft_constraint(req) is not None)
+
     def _draft(self, decodes: tuple[DecodeWork, ...]) -> tuple[list[TokenTree], float]:
         t0 = time.perf_counter()
         trees: list[TokenTree | None] = [None] * len(decodes)
         drafting = []
         for j, work in enumerate(decodes):
             req = work.request
-            if work.node_budget > 1 and work.max_depth > 0 and self.drafters:
+            if work.node_budget > 1 and work.max_depth > 0 and self._speculates(req):
                 drafting.append(j)
             else:
                 trees[j] = TokenTree(req.context[-1])
         if drafting:
             proposals = []
-            for d in self.drafters:
+            for d in self.proposers:
                 inputs = []
                 for j in drafting:
                     work = decodes[j]
@@ -289,10 +316,13 @@ class SpeculativeExecutor:
                     st = self.states[req.request_id]
                     inputs.append(DraftInput(req.request_id, work.slot, req.draft_context, work.node_budget,
                                              work.max_depth, req.sampling, st.rng,
-                                             st.drafters.setdefault(d.name, {}), req.draft_hypothesis))
+                                             st.drafters.setdefault(d.name, {}), req.draft_hypothesis,
+                                             _draft_constraint(req)))
                 proposals.append(d.propose(inputs))
             for k, j in enumerate(drafting):
                 mine = [p[k] for p in proposals]
+                if self.grammar_drafter is not None and len(mine) > 1 and len(mine[0]) == 1:
+                    mine = mine[1:]  # no forced tokens: the other drafters' trees as they were
                 budget = decodes[j].node_budget
                 tree = TokenTree.merge(mine, max_nodes=budget) if len(mine) > 1 else mine[0]
                 if len(tree) > budget or tree.max_depth > decodes[j].max_depth:
@@ -681,7 +711,7 @@ class SpeculativeExecutor:
                 if stale_nan:
                     nan_rows.append((row.slot, row.prefix + keep, row.prefix + len(row.tokens)))
             requested = 1
-            if req.speculate and self.drafters:
+            if req.speculate and self._speculates(req):
                 budget = row.state.budget
                 if not row.is_prefill:
                     budget.observe(num_accepted, len(row.tree), row.tree.max_depth)
@@ -701,8 +731,8 @@ class SpeculativeExecutor:
         for slot, start, end in nan_rows:
             self.cache.zero_columns(slot, start, end)
         for row, accepted, new in observes:
-            for d in self.drafters:
+            for d in self.proposers:
                 d.observe(row.state.drafters.setdefault(d.name, {}), row.slot, row.tree, accepted, new)
-        for d in self.drafters:
+        for d in self.proposers:
             d.end_step()
         return results

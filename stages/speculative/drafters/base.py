@@ -32,6 +32,8 @@ class DraftInput:
         rng: the request's random stream (draws of sampled drafts; the verifier's uniforms come from it too).
         state: this drafter's scratch for this request (kept across steps, dropped when the request ends).
         hypothesis: a previous hypothesis of the same content (the temporal drafter's source), or None.
+        constraint: the request's grammar (:class:`~specstream.stages.speculative.grammar.GrammarConstraint`),
+            or None: model drafters mask their drafts by it, the grammar drafter proposes its forced tokens.
     """
 
     request_id: str
@@ -43,6 +45,7 @@ class DraftInput:
     rng: random.Random = field(default_factory=random.Random)
     state: dict = field(default_factory=dict)
     hypothesis: tuple[int, ...] | None = None
+    constraint: object | None = None
 
 
 class Drafter(abc.ABC):

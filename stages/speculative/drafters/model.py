@@ -217,6 +217,7 @@ class ModelDrafter(Drafter):
                 sel = torch.tensor(active, device=logits.device)
                 logits, cum = logits[sel], cum[sel]
                 rows = [rows[r] for r in active]
+            logits = self._mask_drafts(inputs, trees, rows, logits)
             if spec.dynamic_nodes:
                 created, new_cum = self._expand_dynamic(inputs, trees, units, rows, logits, cum)
             else:
@@ -240,6 +241,25 @@ class ModelDrafter(Drafter):
             inp.state["base"] = len(inp.context) - 1
         return trees
 
+    @staticmethod
+    def _mask_drafts(inputs: list[DraftInput], trees: list[TokenTree], rows: list[tuple[int, int]],
+                     logits: torch.Tensor) -> torch.Tensor:
+        """Forbid in ``logits`` ``[len(rows), V]`` the tokens the request's grammar forbids after each row's
+        node (``DraftInput.constraint``): a draft never proposes a token the target could not accept. The
+        packed masks of a request's rows are applied on the device in one call."""
+        by_req: dict[int, list[int]] = {}
+        for r, (i, _) in enumerate(rows):
+            if inputs[i].constraint is not None:
+                by_req.setdefault(i, []).append(r)
+        if not by_req:
+            return logits
+        logits = logits.float().clone()  # the forward's output may be an inference tensor
+        for i, rs in by_req.items():
+            hist = [inputs[i].context + trees[i].path_tokens(rows[r][1]) for r in rs]
+            idx = torch.tensor(rs, device=logits.device)
+            logits[idx] = inputs[i].constraint.apply(hist, logits[idx], len(inputs[i].context))
+        return logits
+
     def _expand_static(self, inputs, trees, units, rows, logits, width) -> list[tuple[int, int]]:
         """Children of every row's node: ``min(width, units left)`` draws each, counted before drawing; greedy
         rows take the top-k (deterministic), sample rows draw from ``q`` (sampled). One host copy of the ids."""
@@ -260,7 +280,8 @@ class ModelDrafter(Drafter):
         if greedy:
             g = torch.tensor(greedy, device=dev) if len(greedy) != n_rows else None
             sel = logits if g is None else logits[g]
-            top = torch.topk(sel[:, : self.vocab_limit], k, dim=-1).indices
+            vals, top = torch.topk(sel[:, : self.vocab_limit], k, dim=-1)
+            top = torch.where(vals > float("-inf"), top, -1)  # a grammar-forbidden token: no draw
             if g is None:
                 chosen = top
             else:
@@ -285,6 +306,8 @@ class ModelDrafter(Drafter):
             else:
                 prop = det
             for j in range(counts[r]):
+                if ids[r][j] < 0:
+                    break
                 before = len(tree)
                 child = tree.add(node, ids[r][j], prop)
                 if len(tree) > before:
