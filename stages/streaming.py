@@ -383,11 +383,14 @@ class SpeechService:
         sm = self.model
         req, audio = self.window_request(window, hypothesis, speculate, max_new_tokens, seconds, previous_text,
                                          language, timestamps, prefix)
+        rid = req.request_id
         t0 = time.perf_counter()
         done = await self.loop.submit(req)
         wall = time.perf_counter() - t0
         if done.error:
             raise SpecstreamError(f"decoding failed: {done.error}")
+        if done.finish_reason not in ("eos", "length"):  # cut short: an error, never an empty hypothesis
+            raise SpecstreamError(f"decoding of window {rid!r} ended early ({done.finish_reason})")
         toks = tuple(t for t in done.output_ids if t != sm.tokens.eot)
         avg = float(sum(done.output_logprobs)) / (len(toks) + 1)
         return WindowDecode(toks, done.finish_reason, done.stats.target_steps, audio.no_speech_prob, avg,
