@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +40,8 @@ from specstream.schedulers.plan import Request, RequestStepResult, StepOutput, S
 from specstream.stages.speculative.executor import SpeculativeExecutor
 
 TokenCallback = Callable[[Request, tuple[int, ...]], None]
+
+_log = logging.getLogger("specstream.device_loop")
 
 #: seconds of non-realtime prefill a device step may carry while realtime work is active (the loop's default)
 REALTIME_PREFILL_BUDGET_S = 0.01
@@ -499,9 +502,27 @@ class DeviceLoop:
                     self._lock.wait(timeout)
 
     def _fail_all(self, exc: Exception) -> None:
+        """A step raised (a bug): every request in flight fails with ``exc`` — its future raises, its ``on_tokens``
+        sees ``error`` — and the loop goes on. Never a cancelled request resolved as a success: that was how an
+        offline transcription in flight came back as an empty text (``docs/api.md``)."""
+        _log.error("device step failed; failing the %d request(s) in flight", len(self._entries),
+                   exc_info=(type(exc), exc, exc.__traceback__))
+        error = {"code": getattr(exc, "code", "internal_error"), "message": f"device step failed: {exc}"}
         for rid, entry in list(self._entries.items()):
             fut = entry.future
+            entry.future = None  # _end must not resolve it as a success
+            req = self.scheduler.requests.get(rid)
             self._cancel_now(rid)
+            self._entries.pop(rid, None)
+            if req is not None:
+                req.error, req.finish_reason = error, "error"
+                if fut is not None:  # its waiter forgets it (as _end does for a finished one)
+                    self.scheduler.pop_finished(rid)
+            if entry.on_tokens is not None and req is not None:
+                try:
+                    entry.on_tokens(req, ())
+                except Exception:  # a failing callback must not stop the others from failing
+                    _log.exception("on_tokens of %s failed", rid)
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
 

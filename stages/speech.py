@@ -413,7 +413,8 @@ class SpeechModel:
 
         Raises:
             InvalidRequestError: hypotheses given but the engine has no temporal drafter; SpecstreamError: decoding
-            failed.
+            failed, or a window's decode ended before end-of-text or its token limit (cancelled): never a partial
+            or empty result. A device step that raised re-raises its exception.
         """
         temporal = next((d for d in engine.executor.drafters if isinstance(d, TemporalDrafter)), None)
         if hypotheses is not None and any(h is not None for h in hypotheses) and temporal is None:
@@ -434,6 +435,9 @@ class SpeechModel:
             engine.scheduler.pop_finished(req.request_id)
             if req.error:
                 raise SpecstreamError(f"decoding failed: {req.error}")
+            if req.finish_reason not in ("eos", "length"):  # cut short (cancelled): an error, never a result
+                raise SpecstreamError(f"decoding of window {req.request_id!r} ended early ({req.finish_reason}) "
+                                      f"after {len(req.output_ids)} tokens")
             toks = tuple(t for t in req.output_ids if t != self.tokens.eot)
             avg = avg_logprob(req.output_logprobs, len(toks)) if logprobs else None
             out.append(WindowResult(toks, self.decode_text(toks), req.finish_reason, req.stats.target_steps,

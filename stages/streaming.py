@@ -152,6 +152,40 @@ class Subtitle:
 
 
 @dataclass(frozen=True)
+class StreamWarning:
+    """The stream cannot keep up: its passes take longer than the audio between them (``rtf > 1``), so its
+    finals fall further behind the clock with every pass (nothing is lost: the backlog grows, then backpressure).
+    Sent once per stream: on its first pass when earlier streams of the same service measured it, else as soon as
+    this stream measured it (:data:`RTF_PASSES` decoding passes).
+
+    Attributes:
+        code: ``"falling_behind"``.
+        text: what happened and what helps.
+        rtf: measured real-time factor, seconds of pass compute per second of audio (``pass_s / hop_s``).
+        pass_s: mean seconds per decoding pass (the recognizer's clock: device-loop waits included).
+        hop_s: audio between passes (s).
+        emitted_s: the recognizer's clock when it was produced.
+    """
+
+    code: str
+    text: str
+    rtf: float
+    pass_s: float
+    hop_s: float
+    emitted_s: float
+    kind: Literal["warning"] = "warning"
+
+    def message(self) -> dict:
+        """The WebSocket message (``docs/streaming.md``)."""
+        return {"type": "warning", "code": self.code, "message": self.text, "rtf": round(self.rtf, 3),
+                "pass_s": round(self.pass_s, 3), "hop_s": round(self.hop_s, 3)}
+
+
+#: decoding passes a stream measures before it judges its own real-time factor (the mean of the last ones)
+RTF_PASSES = 2
+
+
+@dataclass(frozen=True)
 class PassRecord:
     """What one decoding pass did (for benchmarks and the lossless test).
 
@@ -194,9 +228,10 @@ class StreamConfig:
         hop_s: passes run at every multiple of this much audio.
         agree_span_s: text is committed once the hypotheses of this much audio agree on it (LocalAgreement over
             the span); 0: the previous hypothesis only (LocalAgreement-2, lowest latency).
-        max_final_gap_s: when speech is pending and no final was sent for this much audio (or ``agree_span_s +
-            hop_s`` when longer), the prefix the last two hypotheses agree on is committed (a bound on the time
-            between finals during continuous speech).
+        max_final_gap_s: the most audio between two finals while speech is pending (a guarantee; at least
+            ``agree_span_s + 2 * hop_s``). From one hop before it, a pass commits what the last two hypotheses agree
+            on, and when they agree on nothing, the most recent hypothesis's words up to its position, at word
+            boundaries from the word timestamps (cross-attention DTW).
         trim_after_s: a buffer longer than this is cut at the end of a committed segment ...
         keep_s: ... that leaves at least this much audio (with its committed text, the context of what follows).
         max_buffer_s: a buffer this long commits every complete segment (everything, without one) and is cut
@@ -216,7 +251,7 @@ class StreamConfig:
 
     hop_s: float = 0.5
     agree_span_s: float = 0.0
-    max_final_gap_s: float = 2.5
+    max_final_gap_s: float = 3.0
     trim_after_s: float = 20.0
     keep_s: float = 10.0
     max_buffer_s: float = 28.0
@@ -241,6 +276,8 @@ class StreamConfig:
         if not self.hop_s <= self.trim_after_s <= self.max_buffer_s <= WINDOW_S - self.hop_s:
             raise ValueError(f"need hop_s <= trim_after_s <= max_buffer_s <= {WINDOW_S:g} - hop_s, got "
                              f"{self.hop_s}, {self.trim_after_s}, {self.max_buffer_s}")
+        if not self.max_final_gap_s > self.hop_s:
+            raise ValueError(f"max_final_gap_s must be > hop_s, got {self.max_final_gap_s} <= {self.hop_s}")
         if not self.max_backlog_s > 0:
             raise ValueError(f"max_backlog_s must be > 0, got {self.max_backlog_s}")
 
@@ -256,6 +293,7 @@ class WindowDecode:
     avg_logprob: float
     encode_s: float
     decode_s: float
+    cross_kv: object | None = None  # the window's cross-attention K/V (``keep_encoder=True`` only; word times)
 
 
 # -- the shared model and engine ------------------------------------------------------------------------------
@@ -268,6 +306,8 @@ class AudioWindow:
     probe_prefix: list[int]
     no_speech_prob: float = 0.0
     encode_s: float = 0.0
+    keep_encoder: bool = False
+    cross_kv: object | None = None  # filled by the encoder when ``keep_encoder``
 
 
 class SpeechService:
@@ -328,6 +368,13 @@ class SpeechService:
         self._ids = itertools.count()
         self._word_start: dict[int, bool] = {}
         self.encode_batches: list[tuple[int, float]] = []  # (batch size, seconds)
+        #: mean seconds per decoding pass measured by the streams of this service (None: not yet); a new stream
+        #: whose hop is shorter warns on its first pass (:class:`StreamWarning`)
+        self.pass_s: float | None = None
+
+    def observe_pass(self, seconds: float) -> None:
+        """A stream's measured seconds per decoding pass (exponential mean over the service's streams)."""
+        self.pass_s = seconds if self.pass_s is None else 0.7 * self.pass_s + 0.3 * seconds
 
     @property
     def executor(self):
@@ -351,6 +398,8 @@ class SpeechService:
         for (state, mm), kv, p in zip(items, kvs, probs):
             state.mm_outputs[mm.item_id] = kv
             mm.data.no_speech_prob, mm.data.encode_s = p, dt
+            if mm.data.keep_encoder:
+                mm.data.cross_kv = kv
 
     @staticmethod
     def _prefill_inputs(state) -> None:
@@ -361,7 +410,8 @@ class SpeechService:
     async def decode_window(self, window: np.ndarray, hypothesis: Sequence[int] | None = None,
                             speculate: bool = True, max_new_tokens: int = 160, seconds: float = 30.0,
                             previous_text: Sequence[int] = (), language: str = "en",
-                            timestamps: bool = True, prefix: Sequence[int] = ()) -> WindowDecode:
+                            timestamps: bool = True, prefix: Sequence[int] = (),
+                            keep_encoder: bool = False) -> WindowDecode:
         """Encode and greedy-decode one log-mel window ``[n_mels, 3000]`` as ``realtime`` work.
 
         Args:
@@ -373,9 +423,11 @@ class SpeechService:
             prefix: tokens forced after the ``<|startoftranscript|>`` sequence (text already committed, with its
                 timestamps); the decoder continues after them and the result excludes them. The timestamp rules
                 count them as written (their history starts before the prefix).
+            keep_encoder: return the window's cross-attention keys/values (``WindowDecode.cross_kv``, e.g. 18 MB
+                for tiny in float32) for word timestamps (:meth:`word_ends`).
 
         Raises:
-            CapacityError: the realtime queue is full; SpecstreamError: decoding failed.
+            CapacityError: the realtime queue is full; SpecstreamError: decoding failed or ended early.
         """
         from specstream.errors import SpecstreamError
 
@@ -383,15 +435,36 @@ class SpeechService:
         sm = self.model
         req, audio = self.window_request(window, hypothesis, speculate, max_new_tokens, seconds, previous_text,
                                          language, timestamps, prefix)
+        audio.keep_encoder = keep_encoder
+        rid = req.request_id
         t0 = time.perf_counter()
         done = await self.loop.submit(req)
         wall = time.perf_counter() - t0
         if done.error:
             raise SpecstreamError(f"decoding failed: {done.error}")
+        if done.finish_reason not in ("eos", "length"):  # cut short: an error, never an empty hypothesis
+            raise SpecstreamError(f"decoding of window {rid!r} ended early ({done.finish_reason})")
         toks = tuple(t for t in done.output_ids if t != sm.tokens.eot)
         avg = float(sum(done.output_logprobs)) / (len(toks) + 1)
+        kv, audio.cross_kv = audio.cross_kv, None
         return WindowDecode(toks, done.finish_reason, done.stats.target_steps, audio.no_speech_prob, avg,
-                            audio.encode_s, max(0.0, wall - audio.encode_s))
+                            audio.encode_s, max(0.0, wall - audio.encode_s), kv)
+
+    async def word_ends(self, cross_kv, text: Sequence[int], frames: int, language: str = "en") -> list[tuple[int, float]]:
+        """Word boundaries of a window's text tokens: ``[(index after the word, end s from the window start)]``
+        by cross-attention DTW (:meth:`~specstream.stages.speech.SpeechModel.align`, on the device loop's thread
+        between two steps). Empty when the alignment's words do not cover ``text`` exactly.
+
+        Args:
+            cross_kv: ``WindowDecode.cross_kv`` of the window; text: its text tokens (no timestamps);
+            frames: mel frames of audio in the window (100 per second).
+        """
+        words = await asyncio.to_thread(self.model.align, cross_kv, list(text), frames, language)
+        out, i = [], 0
+        for w in words:
+            i += len(w.tokens)
+            out.append((i, float(w.end)))
+        return out if i == len(text) else []
 
     def window_request(self, window: np.ndarray, hypothesis: Sequence[int] | None = None, speculate: bool = True,
                        max_new_tokens: int = 160, seconds: float = 30.0, previous_text: Sequence[int] = (),
@@ -482,6 +555,7 @@ class _Hyp:
     raw_at: list[int]
     segments: list[_Seg]
     complete: bool  # ends with a closed segment (Whisper finished what it heard)
+    word_ends: list[tuple[int, float]] = field(default_factory=list)  # (text index after a word, end s absolute)
 
     def seg_of(self, i: int) -> _Seg:
         return next(s for s in self.segments if s.first <= i < s.end)
@@ -521,8 +595,11 @@ class StreamingRecognizer:
         self._last_commit_pos = 0  # position of the last pass that committed, or since when nothing waits
         self._last_end_s = 0.0  # end of the last final
         self._partial = ""
+        self._pass_clock: list[float] = []  # clock seconds of each decoding pass
+        self._warned = False
         self.passes: list[PassRecord] = []
         self.finals: list[Subtitle] = []
+        self.warnings: list[StreamWarning] = []
         self.finished = False
 
     # -- the contract -----------------------------------------------------------------------------------------
@@ -565,12 +642,16 @@ class StreamingRecognizer:
         return not self.finished and self.buffer.end >= self._next_pos
 
     async def process(self) -> list[Subtitle]:
-        """One pass at the next fixed position (when :meth:`ready`; a no-op otherwise). Returns new subtitles."""
+        """One pass at the next fixed position (when :meth:`ready`; a no-op otherwise). Returns new subtitles, and
+        once per stream a :class:`StreamWarning` when its passes cannot keep up with real time."""
         if not self.ready():
             return []
         pos = self._next_pos
         self._next_pos += self._hop
-        return await self._pass(pos, final=False)
+        out: list = []
+        if not self.passes and not self._warned and self.service.pass_s is not None:  # known before this stream
+            out.extend(self._rtf_warning(self.service.pass_s))
+        return out + await self._pass(pos, final=False)
 
     async def finish(self) -> list[Subtitle]:
         """End of stream: run the passes still due, then decode what is left and commit all of it."""
@@ -590,8 +671,32 @@ class StreamingRecognizer:
     def _pending(self) -> bool:
         return bool(self._hyps) and len(self._hyps[-1].text) > len(self._committed)
 
+    def _rtf_warning(self, pass_s: float) -> list[StreamWarning]:
+        """A :class:`StreamWarning` when passes of ``pass_s`` seconds cannot keep up with ``hop_s`` (once)."""
+        hop = self.config.hop_s
+        rtf = pass_s / hop
+        if self._warned or not rtf > 1.0:
+            return []
+        self._warned = True
+        w = StreamWarning("falling_behind", f"this stream cannot keep up with real time: a decoding pass takes "
+                          f"{pass_s:.2f} s per {hop:.2f} s of audio (real-time factor {rtf:.2f}), so finals fall "
+                          f"further behind the clock (no audio is lost). A smaller model, a longer hop (min_hop_s) "
+                          f"or quantized weights help.", rtf, pass_s, hop, self.clock())
+        self.warnings.append(w)
+        return [w]
+
+    def _measure(self, seconds: float) -> list[StreamWarning]:
+        """Book one decoding pass's clock time; the warning once the mean of the last passes is over the hop."""
+        self._pass_clock.append(seconds)
+        if len(self._pass_clock) < RTF_PASSES:
+            return []
+        mean = sum(self._pass_clock[-RTF_PASSES:]) / RTF_PASSES
+        self.service.observe_pass(mean)
+        return self._rtf_warning(mean)
+
     async def _pass(self, pos: int, final: bool) -> list[Subtitle]:
         t0 = time.perf_counter()
+        c0 = self.clock()
         out: list[Subtitle] = []
         prev_pos, self._last_pos = self._last_pos, pos
         start = self.buffer.start
@@ -606,6 +711,7 @@ class StreamingRecognizer:
         if not final and not self._pending() and self._hyps and not self._speech(prev_pos, pos) \
                 and not self._unread(self._hyps[-1], pos):
             self._maybe_end_utterance(pos)  # nothing new was said, nothing waits, all speech was read
+            self._last_commit_pos = pos  # nothing waits: the gap to the next final starts here
             return out
         hyp = await self._decode(start, pos)
         out.extend(self._commit(hyp, final))
@@ -615,6 +721,8 @@ class StreamingRecognizer:
             out.extend(self._trim(hyp, pos))
         if len(self.passes) > n_passes:
             self.passes[n_passes] = replace(self.passes[n_passes], wall_s=time.perf_counter() - t0)
+            if not final:
+                out.extend(self._measure(self.clock() - c0))
         return out
 
     async def _finish_rest(self, hyp: _Hyp) -> list[Subtitle]:
@@ -648,9 +756,11 @@ class StreamingRecognizer:
         prev = self._hyps[-1] if self._hyps else None
         draft = prev.raw[len(self._prefix):] if (prev is not None and cfg.speculate and prev.start == a
                                                  and prev.raw[:len(self._prefix)] == self._prefix) else None
+        due = self._deadline_due(b)
         dec = await self.service.decode_window(window, draft, speculate=cfg.speculate,
                                                max_new_tokens=cfg.max_new_tokens, seconds=len(audio) / SAMPLE_RATE,
-                                               previous_text=history, language=cfg.language, prefix=self._prefix)
+                                               previous_text=history, language=cfg.language, prefix=self._prefix,
+                                               keep_encoder=due)
         silent = no_speech(dec.no_speech_prob, dec.avg_logprob, cfg.no_speech_threshold, cfg.log_prob_threshold)
         gen = [] if silent else list(dec.tokens)
         loop = repetition_cut(gen, cfg.max_repeats)
@@ -675,6 +785,10 @@ class StreamingRecognizer:
                 segments.append(_Seg(s.start_s, min(s.end_s, b / SAMPLE_RATE), s.complete, first, len(text), r))
         complete = loop is None and dec.finish_reason == "eos" and (not segments or segments[-1].complete)
         hyp = _Hyp(b, a, raw, text, raw_at, segments, complete)
+        if due and dec.cross_kv is not None and len(text) > len(self._committed):  # word times for the deadline
+            t0 = a / SAMPLE_RATE
+            hyp.word_ends = [(j, t0 + e) for j, e in
+                             await self.service.word_ends(dec.cross_kv, text, frames, cfg.language)]
         self.passes.append(PassRecord(a / SAMPLE_RATE, b / SAMPLE_RATE, tuple(raw), dec.tokens, dec.target_steps,
                                       draft is not None, dec.encode_s, dec.decode_s, 0.0, dec.no_speech_prob,
                                       dec.finish_reason, round(dec.avg_logprob, 4), silent,
@@ -706,6 +820,36 @@ class StreamingRecognizer:
         return None
 
     # -- committing --------------------------------------------------------------------------------------------
+    def _gap_limits(self) -> tuple[int, int]:
+        """(deadline, gap) in samples since the last commit: from ``deadline`` a pass commits whatever it can;
+        ``gap`` (``max_final_gap_s``, at least the span + two hops) is the most audio between two finals."""
+        cfg = self.config
+        gap = max(cfg.max_final_gap_s, cfg.agree_span_s + 2 * cfg.hop_s)  # never undercuts the span
+        return int(round((gap - cfg.hop_s) * SAMPLE_RATE)) - FRAME, int(round(gap * SAMPLE_RATE)) - FRAME
+
+    def _deadline_due(self, pos: int) -> bool:
+        return pos - self._last_commit_pos >= self._gap_limits()[0]
+
+    def _deadline_words(self, hyp: _Hyp, a: int) -> int | None:
+        """Where the deadline cuts ``hyp``'s uncommitted text ``[a, ...)`` when passes agree on nothing: after the
+        last whole word that ended (word timestamps) at least one hop before the pass position, and never inside
+        the trailing word of an unfinished hypothesis (it may still grow). On the last pass before the gap would
+        exceed ``max_final_gap_s``, all but that trailing word."""
+        n = len(hyp.text)
+        open_end = not (hyp.complete and hyp.segments and hyp.segments[-1].complete)
+
+        def boundary(j: int) -> bool:
+            return a < j <= n and (j < n and self.service.starts_word(hyp.text[j]) or (j == n and not open_end))
+
+        limit_s = (hyp.pos - self._hop) / SAMPLE_RATE
+        ok = [j for j, end_s in hyp.word_ends if end_s <= limit_s and boundary(j)]
+        if ok:
+            return max(ok)
+        if hyp.pos - self._last_commit_pos >= self._gap_limits()[1]:
+            j = n if not open_end else self._word_floor(hyp.text, a, n - 1)
+            return j if j > a else None
+        return None
+
     def _word_floor(self, text: list[int], a: int, j: int) -> int:
         """``j`` moved back to a word start (the last word may still grow), not below ``a``."""
         while j > a and not (j < len(text) and self.service.starts_word(text[j])):
@@ -737,16 +881,17 @@ class StreamingRecognizer:
                 ends = [s.end for i, s in enumerate(hyp.segments) if s.complete and a < s.end <= a + agree
                         and (i + 1 < len(hyp.segments) or hyp.complete)]
                 to = max(ends) if ends else None
-        deadline = max(cfg.max_final_gap_s, cfg.agree_span_s + cfg.hop_s)  # never undercuts the span
-        if (to is None or to <= a) and new and refs \
-                and hyp.pos - self._last_commit_pos >= deadline * SAMPLE_RATE - FRAME:
-            last = max(refs, key=lambda h: h.pos)  # the deadline: what the last two hypotheses agree on,
-            agree = _lcp(new, last.text[a:])  # whole closed segments of it if any, else whole words
-            ends = [s.end for s in hyp.segments if s.complete and a < s.end <= a + agree]
-            if ends:
-                to = max(ends)
-            elif cfg.agree_span_s == 0:  # whole words only at the lowest-latency setting
-                to = self._word_floor(hyp.text, a, a + agree)
+        if (to is None or to <= a) and new and self._deadline_due(hyp.pos):
+            if refs:
+                last = max(refs, key=lambda h: h.pos)  # the deadline: what the last two hypotheses agree on,
+                agree = _lcp(new, last.text[a:])  # whole closed segments of it if any, else whole words
+                ends = [s.end for s in hyp.segments if s.complete and a < s.end <= a + agree]
+                if ends:
+                    to = max(ends)
+                elif cfg.agree_span_s == 0:  # whole words only at the lowest-latency setting
+                    to = self._word_floor(hyp.text, a, a + agree)
+            if to is None or to <= a:  # they agree on nothing: this pass's words, up to its position
+                to = self._deadline_words(hyp, a)
         if to is not None and to > a:
             out.extend(self._emit_finals(hyp, a, to))
             self._set_prefix(hyp, to)
@@ -980,6 +1125,10 @@ class ReplayResult:
     def text(self) -> str:
         return " ".join(s.text for s in self.finals if s.text)
 
+    @property
+    def warnings(self) -> list[StreamWarning]:
+        return [s for s in self.subtitles if s.kind == "warning"]
+
 
 def chunk_schedule(n_samples: int, chunk_s: float | Sequence[float] = 0.5, pace: float | None = 1.0,
                    pauses: dict[int, float] | None = None) -> list[tuple[int, int, float]]:
@@ -1000,12 +1149,13 @@ def chunk_schedule(n_samples: int, chunk_s: float | Sequence[float] = 0.5, pace:
 
 async def replay(service: SpeechService, audio: np.ndarray, chunk_s: float | Sequence[float] = 0.5,
                  config: StreamConfig | None = None, pace: float | None = 1.0,
-                 pauses: dict[int, float] | None = None) -> ReplayResult:
+                 pauses: dict[int, float] | None = None, clock: SimClock | None = None) -> ReplayResult:
     """Stream ``audio`` (16 kHz float32) through a recognizer on a simulated clock (:func:`chunk_schedule`:
     chunk ``k`` arrives when its last sample would at ``pace`` x real time; None: everything at once); passes take
     their real compute time on that clock; idle waits take none. So the latencies are those of a live stream on
-    this machine (one stream, no other load), measured faster than real time."""
-    clock = SimClock()
+    this machine (one stream, no other load), measured faster than real time. ``clock``: a :class:`SimClock` (or
+    a subclass that charges passes another cost: tests)."""
+    clock = clock or SimClock()
     rec = StreamingRecognizer(service, config, clock=clock)
     sched = chunk_schedule(len(audio), chunk_s, pace, pauses)
     subs: list[Subtitle] = []
