@@ -259,13 +259,18 @@ def bench_transcribe_main(argv: list[str]) -> int:
                     "steps_off": res[False][0][2], "steps_on": res[True][0][2],
                     "identical_tokens": all(x[1] == res[False][0][1] for x in res[True] + res[False])}
                 log(f"  passes: {m['passes'][rname]}")
-    out["loadavg_end"] = round(os.getloadavg()[0], 2)
+        _write(out, args.out)  # after every model, so a long run that is stopped keeps what it measured
+    _write(out, args.out)
     print(json.dumps(out, indent=1))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_transcribe.json").write_text(json.dumps(out, indent=1) + "\n")
-        (args.out / "bench_transcribe.md").write_text(markdown(out))
     return 0
+
+
+def _write(out: dict, directory: Path | None) -> None:
+    out["loadavg_end"] = round(os.getloadavg()[0], 2)
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "bench_transcribe.json").write_text(json.dumps(out, indent=1) + "\n")
+        (directory / "bench_transcribe.md").write_text(markdown(out))
 
 
 def markdown(out: dict) -> str:
