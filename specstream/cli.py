@@ -340,6 +340,9 @@ PASSTHROUGH = {
                       "throughput over 1, 2, 4 Kafka workers", "specstream.pipeline.bench_qa:bench_qa_main"),
     ("bench", "subtitles"): ("live subtitles: final latency, pass times, RTF, drafted steps, concurrent streams",
                              "specstream.pipeline.bench_subtitles:bench_subtitles_main"),
+    ("bench", "transcribe"): ("offline transcription and live passes, speculation on/off, beside faster-whisper "
+                              "(float32, int8) in one run: WER, RTF, per-step profile",
+                              "specstream.pipeline.bench_transcribe:bench_transcribe_main"),
     ("bench", "mixed"): ("live subtitles beside a caption flood in one serve process: subtitle p95 and WER, caption "
                          "throughput; several designs side by side", "specstream.pipeline.bench_mixed:bench_mixed_main"),
 }

@@ -49,7 +49,10 @@ class ApplyTimestampRules(LogitsProcessor):
     5. When the total probability of the timestamps exceeds that of the most likely text token, a timestamp is
        forced.
 
-    The log-softmax of rule 5 is one batched op over the rows that need it, on the scores' device.
+    All rows are handled by a few tensor operations on the scores' device, whatever their number (every node of
+    every request's token tree in one call, :meth:`apply_rows`): the host reads each row's history once and
+    writes, per row, two banned column ranges and whether rule 5 applies; one mask built from them and the
+    batched log-softmax of rule 5 do the rest. No Python loop writes into the tensor.
     """
 
     def __init__(self, eot: int, no_timestamps: int, timestamp_begin: int, begin_index: int,
@@ -59,35 +62,54 @@ class ApplyTimestampRules(LogitsProcessor):
         self.max_initial = None if max_initial_timestamp_index is None else int(max_initial_timestamp_index)
 
     def __call__(self, sequences, scores):
-        tb, inf = self.timestamp_begin, float("-inf")
-        scores[:, self.no_timestamps] = inf
-        check: list[int] = []
-        for i, seq in enumerate(sequences):
-            gen = seq[self.begin_index:]
-            if not len(gen):
-                scores[i, :tb] = inf
-                if self.max_initial is not None:
-                    scores[i, tb + self.max_initial + 1:] = inf
-                continue
-            last = int(gen[-1])
-            if last >= tb:
-                if len(gen) < 2 or int(gen[-2]) >= tb:  # a pair just closed (or the first token): text next
-                    scores[i, tb:] = inf
-                else:  # a segment just ended: its pair partner or end-of-text, not earlier
-                    scores[i, :self.eot] = inf
-                    scores[i, tb:last] = inf
-                    check.append(i)
-            else:
-                check.append(i)
-                last_ts = next((int(t) for t in reversed(gen) if t >= tb), None)
-                if last_ts is not None:
-                    scores[i, tb:last_ts + 1] = inf
-        if check:
-            rows = torch.tensor(check, device=scores.device)
-            lp = scores[rows].log_softmax(-1)
-            force = lp[:, tb:].logsumexp(-1) > lp[:, :tb].max(-1).values  # [R]
-            text = scores[rows, :tb]
-            scores[rows, :tb] = torch.where(force[:, None], torch.full_like(text, inf), text)
+        return self.apply_rows([self] * len(sequences), sequences, scores)
+
+    def _row_bounds(self, seq: Sequence[int], vocab: int) -> tuple[int, int, int, int, int, int, int]:
+        """``(lo1, hi1, lo2, hi2, check, no_timestamps, timestamp_begin)`` of one history: columns in
+        ``[lo1, hi1)`` and ``[lo2, hi2)`` are banned; ``check``: rule 5 applies."""
+        tb = self.timestamp_begin
+        gen = seq[self.begin_index:]
+        if not len(gen):  # rule 2: a timestamp first, not later than the initial limit
+            late = vocab if self.max_initial is None else min(vocab, tb + self.max_initial + 1)
+            return 0, tb, late, vocab, 0, self.no_timestamps, tb
+        last = int(gen[-1])
+        if last >= tb:
+            if len(gen) < 2 or int(gen[-2]) >= tb:  # a pair just closed (or the first token): text next
+                return tb, vocab, 0, 0, 0, self.no_timestamps, tb
+            # a segment just ended: its pair partner or end-of-text, not earlier
+            return 0, self.eot, tb, last, 1, self.no_timestamps, tb
+        last_ts = next((int(t) for t in reversed(gen) if t >= tb), None)  # rule 4: strictly later after text
+        return (tb, last_ts + 1, 0, 0, 1, self.no_timestamps, tb) if last_ts is not None else (
+            0, 0, 0, 0, 1, self.no_timestamps, tb)
+
+    @classmethod
+    def apply_rows(cls, processors, sequences, scores):
+        """The rules of ``processors[i]`` on row ``i`` of ``scores`` ``[N, V]`` (in place), for any mix of
+        requests (each its own prompt length); one mask and one log-softmax for all rows."""
+        n, vocab = scores.shape
+        if n == 0:
+            return scores
+        dev, inf = scores.device, float("-inf")
+        host = [p._row_bounds(seq, vocab) for p, seq in zip(processors, sequences)]
+        bounds = torch.tensor(host, dtype=torch.long, device=dev)  # [N, 7]
+        col = torch.arange(vocab, device=dev)[None, :]  # [1, V]
+        lo1, hi1, lo2, hi2, check, nts, tbs = (bounds[:, k:k + 1] for k in range(7))  # each [N, 1]
+        banned = ((col >= lo1) & (col < hi1)) | ((col >= lo2) & (col < hi2)) | (col == nts)  # [N, V]
+        scores.masked_fill_(banned, inf)
+        if not any(b[4] for b in host):
+            return scores
+        # rule 5: the timestamps' total probability against the most likely text token
+        lp = scores.log_softmax(-1)
+        tb0 = processors[0].timestamp_begin
+        if all(p.timestamp_begin == tb0 for p in processors):
+            ts_mass, text_max = lp[:, tb0:].logsumexp(-1), lp[:, :tb0].max(-1).values  # [N]
+            is_text = col < tb0
+        else:
+            is_text = col < tbs
+            ts_mass = lp.masked_fill(is_text, inf).logsumexp(-1)
+            text_max = lp.masked_fill(~is_text, inf).max(-1).values
+        force = (check[:, 0] > 0) & (ts_mass > text_max)  # [N]
+        scores.masked_fill_(force[:, None] & is_text, inf)
         return scores
 
 

@@ -201,3 +201,30 @@ def test_preempted_whisper_request_resumes_with_its_encoder_output(sm, encs):
     engine.run()
     assert batch.preemptions == 1 and batch.error is None and rt.error is None
     assert [list(batch.output_ids), list(rt.output_ids)] == ref
+
+
+def test_whisper_step_host_syncs_with_timestamp_rules_and_hypothesis_drafts(sm, encs):
+    """A Whisper decode step with the timestamp rules (batched over every node of every request) and temporal +
+    n-gram drafts stays on the device: at most one host copy per step (the verification's), never per node or per
+    request, as ``tests/test_engine_device.py`` counts for the text decoders."""
+    from test_engine_device import HostSyncs
+
+    prompt = sm.prompt(timestamps=True)
+    kvs = sm.project(torch.stack(encs))  # cross-attention K/V computed before, as the Whisper runner's encoder does
+    plain = sm.decode(sm.new_engine("none", num_slots=3), kvs, speculate=False, timestamps=True,
+                      max_new_tokens=24)
+    engine = sm.new_engine("ngram+temporal", num_slots=3)
+    reqs = []
+    for enc, res in zip(kvs, plain):
+        hyp = tuple(t if i % 4 != 3 else (t + 1) % 50000 for i, t in enumerate(res.tokens))  # partly wrong
+        req = engine.make_request(prompt, 24, logits_processors=sm.logits_processors(len(prompt), timestamps=True),
+                                  draft_hypothesis=hyp)
+        reqs.append(engine.add_request(req, encoder_output=enc))
+    per_step = []
+    while engine.has_work():
+        with HostSyncs() as syncs:
+            engine.step()
+        per_step.append(syncs.counts)
+    assert len(per_step) >= 4
+    assert all(sum(c.values()) <= 1 and set(c) <= {"tolist"} for c in per_step), per_step
+    assert [tuple(t for t in r.output_ids if t != sm.tokens.eot) for r in reqs] == [r.tokens for r in plain]

@@ -89,6 +89,114 @@ def test_timestamp_rules_on_chosen_scores():
     assert out[0, 6] == inf and all(out[i, 6] == inf for i in range(5))
 
 
+def _rules_one_row_at_a_time(rules, sequences, scores):
+    """The rules as they were written before they were batched (one row at a time, tensor writes per row): the
+    reference the batched rules must equal exactly."""
+    tb, inf = rules.timestamp_begin, float("-inf")
+    scores[:, rules.no_timestamps] = inf
+    check = []
+    for i, seq in enumerate(sequences):
+        gen = seq[rules.begin_index:]
+        if not len(gen):
+            scores[i, :tb] = inf
+            if rules.max_initial is not None:
+                scores[i, tb + rules.max_initial + 1:] = inf
+            continue
+        last = int(gen[-1])
+        if last >= tb:
+            if len(gen) < 2 or int(gen[-2]) >= tb:
+                scores[i, tb:] = inf
+            else:
+                scores[i, :rules.eot] = inf
+                scores[i, tb:last] = inf
+                check.append(i)
+        else:
+            check.append(i)
+            last_ts = next((int(t) for t in reversed(gen) if t >= tb), None)
+            if last_ts is not None:
+                scores[i, tb:last_ts + 1] = inf
+    if check:
+        rows = torch.tensor(check)
+        lp = scores[rows].log_softmax(-1)
+        force = lp[:, tb:].logsumexp(-1) > lp[:, :tb].max(-1).values
+        text = scores[rows, :tb]
+        scores[rows, :tb] = torch.where(force[:, None], torch.full_like(text, inf), text)
+    return scores
+
+
+def test_batched_timestamp_rules_equal_the_row_by_row_rules():
+    """Many requests' tree rows in one call (each request its own prompt length and initial limit): the batched
+    masks give exactly the scores of the row-by-row rules, and rule 5 fires on some rows and not on others."""
+    from specstream.stages.speculative.logits import (
+        SuppressTokens,
+        SuppressTokensAtBegin,
+        apply_logits_processors_rows,
+    )
+    from specstream.stages.whisper_timing import ApplyTimestampRules
+
+    g = torch.Generator().manual_seed(5)
+    eot, nts, tb, vocab = 50, 51, 52, 90
+    procs = [ApplyTimestampRules(eot, nts, tb, begin_index=b, max_initial_timestamp_index=m)
+             for b, m in ((2, 5), (4, None), (3, 10))]
+    per_row, seqs = [], []
+    for k in range(60):
+        rules = procs[k % 3]
+        gen_len = int(torch.randint(0, 7, (1,), generator=g))
+        gen = [int(t) for t in torch.randint(0, vocab, (gen_len,), generator=g)]
+        gen = [t if t not in (eot, nts) else tb + 3 for t in gen]
+        seqs.append([7] * rules.begin_index + gen)
+        per_row.append((SuppressTokensAtBegin([0, eot], rules.begin_index), SuppressTokens([eot + 1]), rules))
+    scores = torch.randn((60, vocab), generator=g) * 3
+    scores[::4, tb:] += 4.0  # timestamps likely on every 4th row: rule 5 forces them there
+    before = scores.clone()
+    got = apply_logits_processors_rows(per_row, seqs, scores)
+    want = scores.clone()
+    for i in range(60):
+        row = want[i:i + 1]
+        for p in per_row[i][:2]:
+            row = p([seqs[i]], row)
+        want[i:i + 1] = _rules_one_row_at_a_time(per_row[i][2], [seqs[i]], row)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got, want)
+    forced = [i for i in range(60) if torch.isinf(got[i, :tb]).all() and not torch.isinf(want[i, tb:]).all()]
+    assert len(forced) >= 3
+    assert torch.equal(scores, before)  # the caller's tensor is not modified
+    # the old single-request call gives the same rows
+    one = procs[0]
+    idx = [i for i in range(60) if per_row[i][2] is one]
+    alone = one([seqs[i] for i in idx], got[idx].clone())
+    assert torch.equal(alone, got[idx])
+
+
+def test_speculative_timestamped_decoding_equals_plain_token_for_token(tiny, spoken):
+    """Real tiny.en weights, timestamp tokens on, three windows in one batch with different prompt lengths
+    (previous text on two): hypothesis drafts that are right, partly wrong and shifted give exactly the plain
+    tokens (timestamps included) in fewer decoder steps."""
+    from specstream.modalities.audio import load_audio, log_mel
+    from specstream.stages.speech import _clip_window
+
+    kvs = []
+    for path in spoken:
+        mel = log_mel(load_audio(path), tiny.num_mel_bins)
+        window, _ = _clip_window(mel, 0, mel.shape[1])
+        kvs.append(tiny.project(tiny.encode(window))[0])
+    previous = [[], tiny.tokenizer.encode(" Hello there.").ids, tiny.tokenizer.encode(" One two three four.").ids]
+    kw = dict(timestamps=True, previous=previous, logprobs=True)
+    plain = tiny.decode(tiny.new_engine("none", num_slots=3), kvs, speculate=False, **kw)
+    tb = tiny.tokens.timestamp_begin
+    assert all(any(t >= tb for t in r.tokens) and any(t < tb for t in r.tokens) for r in plain)
+    steps_plain = sum(r.target_steps for r in plain)
+    good = [list(r.tokens) + [tiny.tokens.eot] for r in plain]
+    wrong = [[t if i % 5 != 3 else (t + 1) % tb for i, t in enumerate(h)] for h in good]
+    shifted = [h[4:] for h in good]
+    for hyps in (good, wrong, shifted):
+        out = tiny.decode(tiny.new_engine("ngram+temporal", num_slots=3), kvs, hypotheses=hyps, **kw)
+        assert [r.tokens for r in out] == [r.tokens for r in plain]
+        assert [r.avg_logprob for r in out] == pytest.approx([r.avg_logprob for r in plain], abs=1e-4)
+        assert sum(r.target_steps for r in out) < steps_plain
+    best = tiny.decode(tiny.new_engine("temporal", num_slots=3), kvs, hypotheses=good, **kw)
+    assert sum(r.target_steps for r in best) <= steps_plain / 3
+
+
 def test_split_timestamped_like_long_form():
     from specstream.stages.whisper_timing import split_timestamped
 

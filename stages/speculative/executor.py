@@ -46,7 +46,7 @@ from specstream.schedulers.costmodel import StepCostFit
 from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
 from specstream.stages.speculative.drafters.grammar import GrammarDrafter
 from specstream.stages.speculative.grammar import DraftView, grammar_constraint_of
-from specstream.stages.speculative.logits import apply_logits_processors
+from specstream.stages.speculative.logits import apply_logits_processors, apply_logits_processors_rows
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
 from specstream.stages.speculative.tree import CompiledTrees, TokenTree, ancestor_matrix, compile_trees
 
@@ -499,12 +499,7 @@ class SpeculativeExecutor:
         n_rows = torch.tensor([1 if r.is_prefill else len(r.tokens) for r in rows], device=device)
         finite = torch.isfinite(logits.sum(-1)) | (torch.arange(r_max, device=device)[None, :] >= n_rows[:, None])
         if any(r.request.logits_processors for r in rows):
-            logits = logits.clone()  # an inference tensor cannot be edited in place
-            for i, r in enumerate(rows):
-                procs = r.request.logits_processors
-                if procs:
-                    n = 1 if r.is_prefill else len(r.tokens)
-                    logits[i, :n] = apply_logits_processors(procs, self._histories(r), logits[i, :n])
+            logits = self._process_logits(rows, logits)
         greedy = [r.request.sampling.greedy for r in rows]
         dec_idx = [i for i, r in enumerate(rows) if not r.is_prefill]
         pre_idx = [i for i, r in enumerate(rows) if r.is_prefill]
@@ -641,6 +636,28 @@ class SpeculativeExecutor:
             if span is not None:
                 out[i] = stacked[i, : len(row.tokens), span[0]:span[1]].float().cpu()
         return out
+
+    def _process_logits(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ``[B, R, V]`` with every row's logits processors applied along its own token path: all rows
+        of all requests gathered into one ``[M, V]`` block, processed by one call per processor class
+        (:func:`~specstream.stages.speculative.logits.apply_logits_processors_rows`) and scattered back."""
+        b_idx: list[int] = []
+        r_idx: list[int] = []
+        per_row: list = []
+        seqs: list[list[int]] = []
+        for i, r in enumerate(rows):
+            procs = r.request.logits_processors
+            if procs:
+                hist = self._histories(r)
+                b_idx += [i] * len(hist)
+                r_idx += range(len(hist))
+                per_row += [procs] * len(hist)
+                seqs += hist
+        logits = logits.clone()  # an inference tensor cannot be edited in place
+        bi = torch.tensor(b_idx, device=logits.device)
+        ri = torch.tensor(r_idx, device=logits.device)
+        logits[bi, ri] = apply_logits_processors_rows(per_row, seqs, logits[bi, ri]).to(logits.dtype)
+        return logits
 
     def _histories(self, row: _Row) -> list[list[int]]:
         """Per logits row, the tokens before the one it predicts: the prefilled tokens (prefill), or context +

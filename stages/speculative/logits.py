@@ -31,6 +31,26 @@ class LogitsProcessor(abc.ABC):
             scores: ``[N, V]`` raw target logits.
         """
 
+    @classmethod
+    def apply_rows(cls, processors: Sequence["LogitsProcessor"], sequences: Sequence[Sequence[int]],
+                   scores: torch.Tensor) -> torch.Tensor:
+        """Apply ``processors[i]`` (all instances of this class, e.g. one per request) to row ``i`` of ``scores``
+        ``[N, V]``: the rows of several requests' token trees at once.
+
+        The default calls each distinct processor once on its rows; subclasses whose rule is a function of
+        per-row parameters override it with one batched tensor operation for all rows."""
+        if len(processors) != scores.shape[0]:
+            raise ValueError(f"{len(processors)} processors for {scores.shape[0]} logits rows")
+        groups: dict[int, tuple[LogitsProcessor, list[int]]] = {}
+        for i, p in enumerate(processors):
+            groups.setdefault(id(p), (p, []))[1].append(i)
+        if len(groups) == 1:
+            return processors[0](sequences, scores)
+        for proc, rows in groups.values():
+            idx = torch.tensor(rows, device=scores.device)
+            scores[idx] = proc([sequences[i] for i in rows], scores[idx])
+        return scores
+
 
 class SuppressTokens(LogitsProcessor):
     """Never emit ``token_ids`` (HF ``SuppressTokensLogitsProcessor``; CTranslate2 ``suppress_tokens``)."""
@@ -44,6 +64,12 @@ class SuppressTokens(LogitsProcessor):
             scores[:, ids] = float("-inf")
         return scores
 
+    @classmethod
+    def apply_rows(cls, processors, sequences, scores):
+        if len({p.token_ids for p in processors}) == 1:  # the same tokens for every row: one write
+            return processors[0](sequences, scores)
+        return super().apply_rows(processors, sequences, scores)
+
 
 class SuppressTokensAtBegin(LogitsProcessor):
     """Do not emit ``token_ids`` as the first generated token, i.e. at history length ``begin_index``
@@ -54,10 +80,17 @@ class SuppressTokensAtBegin(LogitsProcessor):
         self.begin_index = int(begin_index)
 
     def __call__(self, sequences, scores):
-        rows = [i for i, seq in enumerate(sequences) if len(seq) == self.begin_index]
-        ids = [t for t in self.token_ids if t < scores.shape[-1]]
+        return self.apply_rows([self] * len(sequences), sequences, scores)
+
+    @classmethod
+    def apply_rows(cls, processors, sequences, scores):
+        if len({p.token_ids for p in processors}) != 1:
+            return super().apply_rows(processors, sequences, scores)
+        rows = [i for i, (p, seq) in enumerate(zip(processors, sequences)) if len(seq) == p.begin_index]
+        ids = [t for t in processors[0].token_ids if t < scores.shape[-1]]
         if rows and ids:
-            scores[torch.tensor(rows)[:, None], torch.tensor(ids)[None, :]] = float("-inf")
+            dev = scores.device
+            scores[torch.tensor(rows, device=dev)[:, None], torch.tensor(ids, device=dev)[None, :]] = float("-inf")
         return scores
 
 
@@ -92,4 +125,40 @@ def apply_logits_processors(processors: Sequence[LogitsProcessor], sequences: Se
     out = scores.float().clone()
     for proc in processors:
         out = proc(sequences, out)
+    return out
+
+
+def apply_logits_processors_rows(per_row: Sequence[Sequence[LogitsProcessor]], sequences: Sequence[Sequence[int]],
+                                 scores: torch.Tensor) -> torch.Tensor:
+    """Apply each row's own processors, in their order, to ``scores`` ``[N, V]`` (a float32 copy is processed).
+
+    The rows of a whole step (every tree node of every request) go through at once: rows whose processors have
+    the same classes in the same order form one group, and each processor position of a group is one
+    :meth:`LogitsProcessor.apply_rows` call over all its rows, so the cost does not grow with the number of
+    requests or nodes in Python tensor writes (Whisper's rules are a few masks of the whole ``[N, V]`` block).
+
+    Args:
+        per_row: ``N`` processor tuples; ``per_row[i]`` applies to row ``i`` (empty: the row is left as is).
+        sequences: ``N`` histories; ``sequences[i]`` precedes the token row ``i`` predicts.
+
+    Raises:
+        ValueError: the three lengths disagree.
+    """
+    if not len(per_row) == len(sequences) == scores.shape[0]:
+        raise ValueError(f"{len(per_row)} processor lists and {len(sequences)} histories for {scores.shape[0]} "
+                         f"logits rows")
+    out = scores.float().clone()
+    groups: dict[tuple[type, ...], list[int]] = {}
+    for i, procs in enumerate(per_row):
+        if procs:
+            groups.setdefault(tuple(type(p) for p in procs), []).append(i)
+    for classes, rows in groups.items():
+        whole = len(rows) == out.shape[0]
+        idx = None if whole else torch.tensor(rows, device=out.device)
+        sub = out if whole else out[idx]
+        seqs = sequences if whole else [sequences[i] for i in rows]
+        for k, cls in enumerate(classes):
+            sub = cls.apply_rows([per_row[i][k] for i in rows], seqs, sub)
+        if not whole:
+            out[idx] = sub
     return out
