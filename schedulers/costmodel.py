@@ -254,16 +254,17 @@ class SpecGate:
         min_gain: least expected speed-up of the trees over a plain step (1.0: any gain).
         probe_every: refused steps before the first probe.
         max_probe_every: the longest wait between probes.
-        warmup_depth: deepest tree while the costs are not measured yet (:meth:`warmup`): one full tree per
-            request of a large batch on a CPU costs several plain steps, so the first drafted step is a small one.
+        warmup_nodes: draft nodes of the whole batch while the costs are not measured yet (:meth:`warmup`): one
+            full tree per request of a large batch on a CPU costs several plain steps, so the first drafted step
+            is a small one.
     """
 
     def __init__(self, min_gain: float = 1.02, probe_every: int = 8, max_probe_every: int = 64,
-                 warmup_depth: int = 1):
-        if min_gain <= 0 or probe_every < 1 or max_probe_every < probe_every or warmup_depth < 1:
-            raise ValueError("SpecGate: need min_gain > 0, 1 <= probe_every <= max_probe_every, warmup_depth >= 1")
+                 warmup_nodes: int = 16):
+        if min_gain <= 0 or probe_every < 1 or max_probe_every < probe_every or warmup_nodes < 1:
+            raise ValueError("SpecGate: need min_gain > 0, 1 <= probe_every <= max_probe_every, warmup_nodes >= 1")
         self.min_gain = min_gain
-        self.warmup_depth = warmup_depth
+        self.warmup_nodes = warmup_nodes
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
         self.interval = probe_every
@@ -274,10 +275,17 @@ class SpecGate:
         #: steps decided: with trees, without (refused), probes
         self.counts = {"on": 0, "off": 0, "probe": 0}
 
-    def warmup(self, rows: list[tuple[int, int, float]]) -> GateChoice:
-        """Before both costs are measured: every tree that was asked for, cut after ``warmup_depth`` levels."""
+    def warmup(self, rows: list[tuple[int, int, float]], depth_nodes: tuple[int, ...] = ()) -> GateChoice:
+        """Before both costs are measured: every tree that was asked for, cut after the deepest level (at least
+        1) at which the batch's draft nodes stay within ``warmup_nodes``."""
         keep = tuple(b > 1 and m > 0 for b, m, _ in rows)
-        return GateChoice(self.warmup_depth if any(keep) else 0, keep, False, 0.0, 0.0)
+        if not any(keep):
+            return GateChoice(0, keep, False, 0.0, 0.0)
+        cap, deepest = 1, max(m for (_, m, _), k in zip(rows, keep) if k)
+        while cap < deepest and sum(self._shape(b, m, cap + 1, depth_nodes)[0] - 1
+                                    for (b, m, _), k in zip(rows, keep) if k) <= self.warmup_nodes:
+            cap += 1
+        return GateChoice(cap, keep, False, 0.0, 0.0)
 
     @staticmethod
     def _shape(budget: int, max_depth: int, cap: int, depth_nodes: tuple[int, ...]) -> tuple[int, int]:

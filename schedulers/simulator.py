@@ -200,7 +200,7 @@ class SimExecutor:
         rows = [(w.node_budget if w.request.speculate else 1, w.max_depth, self._budget(w.request.request_id).alpha)
                 for w in plan.decodes]
         if self._verify_line is None or self._level_s is None:
-            choice = self.gate.warmup(rows)
+            choice = self.gate.warmup(rows, self.depth_nodes)
         else:
             fixed, per_token = self._verify_line
             extra = sum(p.num_tokens for p in plan.prefills)
@@ -218,6 +218,8 @@ class SimExecutor:
         line = self.verify_fit.line()
         if line is not None:
             self._verify_line = line
+        elif self._verify_line is None:  # no slope yet (or none: a memory-bound forward): flat, the mean step
+            self._verify_line = (self.verify_fit.mean_s(), 0.0)
         spec = [d for d in plan.decodes if d.node_budget > 1 and d.max_depth > 0 and d.request.speculate]
         if spec:
             depth = max(tree_shape(self.tree_widths, d.node_budget, d.max_depth)[1] for d in spec)

@@ -83,7 +83,13 @@ def test_cut_applies_the_choice_to_the_plans_decodes():
     assert [(w.node_budget, w.max_depth) for w in cut] == [(6, 3), (4, 3), (1, 1)]
     off = gate.cut(decodes, GateChoice(0, (False,) * 3, False, 0.0, 0.0), SPECINFER)
     assert [w.node_budget for w in off] == [1, 1, 1] and [w.request for w in off] == reqs
-    assert gate.warmup([(21, 8, 1.0), (1, 8, 1.0)]) == GateChoice(1, (True, False), False, 0.0, 0.0)
+    # before costs are measured: at most 16 draft nodes for the batch (one tree: depth 6, 14 draft nodes; eight
+    # trees: depth 2, 16), at least depth 1
+    assert gate.warmup([(21, 8, 1.0), (1, 8, 1.0)], SPECINFER) == GateChoice(6, (True, False), False, 0.0, 0.0)
+    assert gate.warmup([(21, 8, 1.0)] * 8, SPECINFER).depth == 2
+    assert gate.warmup([(21, 8, 1.0)] * 20, SPECINFER).depth == 1
+    chain = gate.cut(decodes[1:2], gate.warmup([(4, 8, 1.0)], ()))  # a 4-node chain: whole
+    assert [(w.node_budget, w.max_depth) for w in chain] == [(4, 3)]
     with pytest.raises(ValueError):
         SpecGate(probe_every=0)
 
@@ -130,3 +136,68 @@ def test_simulator_gate_keeps_speculation_on_where_it_pays_at_batch_1():
 def test_sim_config_reads_the_gate_key():
     assert SimConfig.from_dict({"spec_gate": True}).spec_gate is True
     assert SimConfig.from_dict({}).spec_gate is False
+
+
+# -- the live executor ---------------------------------------------------------------------------------------
+def _live_engine(tiny, drafts, ngram=False, tree="1,1,3,1,1,1,1,1", gate=True):
+    from specstream.stages.speculative.drafters.model import TreeSpec
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+    paths = {"same": tiny.same, "noisy": tiny.noisy, "random": tiny.random}
+    cfg = EngineConfig(num_slots=8, max_len=128, tree=TreeSpec.parse(tree), adaptive=True, cost_aware=True)
+    eng = SpeculativeEngine.from_checkpoints(tiny.target, [paths[d] for d in drafts], ngram=ngram, config=cfg)
+    if not gate:
+        eng.executor.gate = None
+    return eng
+
+
+def _prompts(n: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(18)
+    return [torch.randint(0, 250, (int(k),), generator=g).tolist() for k in torch.randint(3, 20, (n,), generator=g)]
+
+
+def test_live_gate_switches_a_useless_draft_off_for_the_batch_and_stays_exact(tiny, hf_target):
+    """A random draft at batch 8: after the warm-up step (depth-1 trees) and what the optimistic first
+    acceptance estimate costs, the gate refuses trees for the whole batch, probing a quarter of the rows at a
+    time; every output equals Hugging Face greedy. (Measured costs: which early steps draft depends on timing,
+    the bounds below do not.)"""
+    from conftest import hf_greedy
+
+    prompts = _prompts(8)
+    eng = _live_engine(tiny, ["random"])
+    reqs = eng.generate(prompts, 40)
+    assert [r.output_ids for r in reqs] == [hf_greedy(hf_target, p, 40) for p in prompts]
+    assert all(a == 0 for r in reqs for a in r.stats.accepted_per_step)  # the random draft is never accepted
+    gate = eng.executor.gate
+    assert gate.counts["off"] > gate.counts["on"] and gate.counts["probe"] <= 3, gate.counts
+    # one draft forward per drafted step here (depth-1 trees: the catch-up forward gives their logits): the
+    # warm-up, the few steps the first optimistic acceptance estimate allows, the probes — out of 40 steps
+    assert eng.executor.drafters[0].forwards <= 8
+    ungated = _live_engine(tiny, ["random"], gate=False)  # per-request budgets alone: each request probes alone
+    ungated.generate(prompts, 40)
+    assert ungated.executor.drafters[0].forwards >= 3 * eng.executor.drafters[0].forwards
+
+
+def test_live_gate_keeps_the_host_syncs_per_step(tiny):
+    """With the gate deciding (adaptive, cost-aware): still at most one sync per draft depth and one per verify,
+    each a batched ``tolist``."""
+    from test_engine_device import HostSyncs
+
+    from specstream.kernels.sampling import SamplingParams
+
+    eng = _live_engine(tiny, ["noisy", "same"], ngram=True, tree="1,1,3,1")
+    for i, p in enumerate(_prompts(6)):
+        eng.add_request(eng.make_request(p, 24, SamplingParams("greedy" if i % 2 else "sample", temperature=0.9,
+                                                               seed=i)))
+    per_step = []
+    while eng.has_work():
+        with HostSyncs() as syncs:
+            eng.step()
+        per_step.append(syncs.counts)
+    assert len(per_step) >= 5
+    for counts in per_step:
+        assert sum(counts.values()) <= 4 * 2 + 1, counts
+        assert set(counts) <= {"tolist"}, counts
+    assert sum(eng.executor.gate.counts.values()) >= 1  # the gate decided steps

@@ -317,7 +317,7 @@ class SpeculativeExecutor:
             return decodes
         rows = [(w.node_budget, w.max_depth, self.states[w.request.request_id].budget.alpha) for w in decodes]
         if line is None or self._level_s is None:
-            choice = self.gate.warmup(rows)
+            choice = self.gate.warmup(rows, self.depth_nodes)
         else:
             extra = sum(len(p.tokens) for p in plan.prefills)
             choice = self.gate.decide(rows, line[0], line[1], self._level_s, self.depth_nodes, extra)
@@ -364,13 +364,17 @@ class SpeculativeExecutor:
         if drafted and verify_s > 0 and self.cost_aware:
             ratio = draft_s / verify_s
             self.cost_ratio = ratio if self.cost_ratio is None else 0.8 * self.cost_ratio + 0.2 * ratio
-            level_s = draft_s / max(1, max(t.max_depth for t in trees))
+            # one-off catch-up reads (a prompt, tokens of steps without drafts) are not a cost per level
+            steady_s = max(0.0, draft_s - sum(d.catch_up_excess_s() for d in self.drafters))
+            level_s = steady_s / max(1, max(t.max_depth for t in trees))
             self._level_s = level_s if self._level_s is None else 0.8 * self._level_s + 0.2 * level_s
         if verify_s > 0 and self.cost_aware:
             self.verify_fit.observe(sum(len(r.tokens) for r in rows), verify_s)
             line = self.verify_fit.line()
             if line is not None:
                 self._verify_line = line
+            elif self._verify_line is None:  # no slope yet (or none: a memory-bound forward): flat, the mean step
+                self._verify_line = (self.verify_fit.mean_s(), 0.0)
             line = self._verify_line
             if self._level_s is not None:
                 n_dec = len(decodes)

@@ -66,6 +66,12 @@ class Drafter(abc.ABC):
     def release(self, slot: int) -> None:
         """The request in ``slot`` ended or was preempted: forget anything cached for the slot."""
 
+    def catch_up_excess_s(self) -> float:
+        """Seconds of the last :meth:`propose` spent reading committed tokens beyond what a step that also
+        drafted the step before reads (a prompt, or the tokens of steps without drafts); the executor leaves them
+        out of the draft cost per level it measures. 0 for drafters without a cache."""
+        return 0.0
+
 
 @dataclass
 class AdaptiveBudget:
@@ -88,7 +94,9 @@ class AdaptiveBudget:
     ``k`` of ``D`` levels is ``k`` hits and one miss when ``k < D``). A deep tree whose draft costs more than its
     acceptance earns is shortened instead of switched off; ``d = 0`` switches drafting off (with probes). The
     same trade-off as the draft-length controllers of "SpecDec++" (Huang et al. 2024) and vLLM's speculative
-    length tuning, here per request from measured costs.
+    length tuning, here per request from measured costs. What a request asks for is decided for it alone; whether
+    the batch's trees pay together (every node is a token of the shared target forward) is the executor's step
+    gate's decision (:class:`~specstream.schedulers.costmodel.SpecGate`), which reads :attr:`alpha`.
     """
 
     full_nodes: int
