@@ -300,12 +300,15 @@ class SpecGate:
             depth += 1
         return (min(budget, nodes_at(depth)), depth) if depth > 0 else (1, 0)
 
-    def _rate(self, rows, keep, shapes, fixed_s, per_token_s, level_s, extra_tokens) -> float:
-        tokens, nodes, depth = float(len(rows)), extra_tokens + len(rows), 0
-        for (_, _, alpha), k, (n, d) in zip(rows, keep, shapes):
+    @staticmethod
+    def _rate(gains, keep, shapes, n, fixed_s, per_token_s, level_s, extra_tokens) -> float:
+        """Expected committed tokens per second of a step (class docstring); ``gains[i][d]`` = row ``i``'s
+        expected accepted tokens at depth ``d``."""
+        tokens, nodes, depth = float(n), extra_tokens + n, 0
+        for g, k, (m, d) in zip(gains, keep, shapes):
             if k and d > 0:
-                tokens += sum(alpha ** j for j in range(1, d + 1))
-                nodes += n - 1
+                tokens += g[d]
+                nodes += m - 1
                 depth = max(depth, d)
         return tokens / (fixed_s + per_token_s * nodes + level_s * depth)
 
@@ -326,22 +329,39 @@ class SpecGate:
         """
         n = len(rows)
         asked = [b > 1 and m > 0 for b, m, _ in rows]
-        plain = self._rate(rows, [False] * n, [(1, 0)] * n, fixed_s, per_token_s, level_s, extra_tokens) if n else 0.0
+        costs = (fixed_s, per_token_s, level_s, extra_tokens)
+        plain = n / (fixed_s + per_token_s * (extra_tokens + n)) if n else 0.0
         if not any(asked):
             return GateChoice(0, tuple(asked), False, plain, plain)
         max_cap = max(m for (_, m, _), a in zip(rows, asked) if a)
+        by_alpha: dict[float, list[float]] = {}
+        for _, _, alpha in rows:
+            if alpha not in by_alpha:
+                g, term = [0.0], 1.0
+                for _ in range(max_cap):
+                    term *= alpha
+                    g.append(g[-1] + term)
+                by_alpha[alpha] = g
+        gains = [by_alpha[alpha] for _, _, alpha in rows]  # per row, a + a^2 + ... + a^d for d = 0..max_cap
         best = (0.0, 0, tuple([False] * n))
+        memo: dict[tuple[int, int, int], tuple[int, int]] = {}
+
+        def shape(b: int, m: int, cap: int) -> tuple[int, int]:
+            key = (b, m, cap)
+            if key not in memo:
+                memo[key] = self._shape(b, m, cap, depth_nodes)
+            return memo[key]
+
         for cap in range(1, max_cap + 1):
-            shapes = [self._shape(b, m, cap, depth_nodes) if a else (1, 0) for (b, m, _), a in zip(rows, asked)]
+            shapes = [shape(b, m, cap) if a else (1, 0) for (b, m, _), a in zip(rows, asked)]
             keep = [a and d > 0 for a, (_, d) in zip(asked, shapes)]
-            rate = self._rate(rows, keep, shapes, fixed_s, per_token_s, level_s, extra_tokens)
-            for _ in range(n):  # drop trees that earn less per second of their own verify cost than the batch
-                drop = [k and per_token_s * (s[0] - 1) * rate > sum(r[2] ** j for j in range(1, s[1] + 1))
-                        for k, s, r in zip(keep, shapes, rows)]
+            rate = self._rate(gains, keep, shapes, n, *costs)
+            for _ in range(4):  # drop trees that earn less per second of their own verify cost than the batch
+                drop = [k and per_token_s * (m - 1) * rate > g[d] for k, (m, d), g in zip(keep, shapes, gains)]
                 if not any(drop) or sum(keep) == sum(drop):
                     break
                 keep = [k and not x for k, x in zip(keep, drop)]
-                rate = self._rate(rows, keep, shapes, fixed_s, per_token_s, level_s, extra_tokens)
+                rate = self._rate(gains, keep, shapes, n, *costs)
             if rate > best[0] and any(keep):
                 best = (rate, cap, tuple(keep))
         rate_on, cap, keep = best
