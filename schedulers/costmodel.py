@@ -254,9 +254,9 @@ class SpecGate:
         min_gain: least expected speed-up of the trees over a plain step (1.0: any gain).
         probe_every: refused steps before the first probe.
         max_probe_every: the longest wait between probes.
-        warmup_nodes: draft nodes of the whole batch while the costs are not measured yet (:meth:`warmup`): one
-            full tree per request of a large batch on a CPU costs several plain steps, so the first drafted step
-            is a small one.
+        warmup_nodes: rows that draft (one level each) while the costs are not measured yet (:meth:`warmup`):
+            one full tree per request of a large batch on a CPU costs several plain steps, and a deep tree of a
+            useless draft several draft forwards, so the first drafted step is a small one.
     """
 
     def __init__(self, min_gain: float = 1.02, probe_every: int = 8, max_probe_every: int = 64,
@@ -276,16 +276,14 @@ class SpecGate:
         self.counts = {"on": 0, "off": 0, "probe": 0}
 
     def warmup(self, rows: list[tuple[int, int, float]], depth_nodes: tuple[int, ...] = ()) -> GateChoice:
-        """Before both costs are measured: every tree that was asked for, cut after the deepest level (at least
-        1) at which the batch's draft nodes stay within ``warmup_nodes``."""
-        keep = tuple(b > 1 and m > 0 for b, m, _ in rows)
-        if not any(keep):
-            return GateChoice(0, keep, False, 0.0, 0.0)
-        cap, deepest = 1, max(m for (_, m, _), k in zip(rows, keep) if k)
-        while cap < deepest and sum(self._shape(b, m, cap + 1, depth_nodes)[0] - 1
-                                    for (b, m, _), k in zip(rows, keep) if k) <= self.warmup_nodes:
-            cap += 1
-        return GateChoice(cap, keep, False, 0.0, 0.0)
+        """Before both costs are measured: one draft level (the cheapest measurement of a level's cost and of
+        the verify cost of extra nodes) for at most ``warmup_nodes`` of the rows that asked for a tree."""
+        keep, taken = [], 0
+        for b, m, _ in rows:
+            take = b > 1 and m > 0 and taken < self.warmup_nodes
+            taken += take
+            keep.append(take)
+        return GateChoice(1 if taken else 0, tuple(keep), False, 0.0, 0.0)
 
     @staticmethod
     def _shape(budget: int, max_depth: int, cap: int, depth_nodes: tuple[int, ...]) -> tuple[int, int]:

@@ -83,13 +83,11 @@ def test_cut_applies_the_choice_to_the_plans_decodes():
     assert [(w.node_budget, w.max_depth) for w in cut] == [(6, 3), (4, 3), (1, 1)]
     off = gate.cut(decodes, GateChoice(0, (False,) * 3, False, 0.0, 0.0), SPECINFER)
     assert [w.node_budget for w in off] == [1, 1, 1] and [w.request for w in off] == reqs
-    # before costs are measured: at most 16 draft nodes for the batch (one tree: depth 6, 14 draft nodes; eight
-    # trees: depth 2, 16), at least depth 1
-    assert gate.warmup([(21, 8, 1.0), (1, 8, 1.0)], SPECINFER) == GateChoice(6, (True, False), False, 0.0, 0.0)
-    assert gate.warmup([(21, 8, 1.0)] * 8, SPECINFER).depth == 2
-    assert gate.warmup([(21, 8, 1.0)] * 20, SPECINFER).depth == 1
-    chain = gate.cut(decodes[1:2], gate.warmup([(4, 8, 1.0)], ()))  # a 4-node chain: whole
-    assert [(w.node_budget, w.max_depth) for w in chain] == [(4, 3)]
+    # before costs are measured: one draft level, for at most 16 rows
+    assert gate.warmup([(21, 8, 1.0), (1, 8, 1.0)], SPECINFER) == GateChoice(1, (True, False), False, 0.0, 0.0)
+    assert gate.warmup([(21, 8, 1.0)] * 20, SPECINFER).keep == (True,) * 16 + (False,) * 4
+    chain = gate.cut(decodes[1:2], gate.warmup([(4, 8, 1.0)], ()))
+    assert [(w.node_budget, w.max_depth) for w in chain] == [(2, 1)]
     with pytest.raises(ValueError):
         SpecGate(probe_every=0)
 
@@ -201,3 +199,17 @@ def test_live_gate_keeps_the_host_syncs_per_step(tiny):
         assert sum(counts.values()) <= 4 * 2 + 1, counts
         assert set(counts) <= {"tolist"}, counts
     assert sum(eng.executor.gate.counts.values()) >= 1  # the gate decided steps
+
+
+def test_bench_batch_sweep_smoke(tmp_path):
+    """``specstream bench spec --batch-only``'s sweep on tiny shapes: every configuration at each batch size, its
+    output equal to no speculation's, ratios against the same batch size's no-speculation run."""
+    from specstream.pipeline.bench_spec import QUICK, batch_sweep, build_models
+
+    target, draft = build_models(tmp_path / "m", QUICK)
+    recs = batch_sweep(target, draft, (1, 2), 6, QUICK.vocab_size, rounds=1, progress=False)
+    assert [(r["batch"], r["config"]) for r in recs] == [
+        (b, c) for b in (1, 2) for c in ("ours/no-spec", "ours/adaptive", "ours/adaptive-no-gate", "ours/replay-c0.1")]
+    assert all(r["identical"] for r in recs)
+    assert all(r["vs_no_spec"] == 1.0 for r in recs if r["config"] == "ours/no-spec")
+    assert all("gate" in r for r in recs if r["config"] in ("ours/adaptive", "ours/replay-c0.1"))
