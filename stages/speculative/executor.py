@@ -315,7 +315,7 @@ class SpeculativeExecutor:
         line = self._verify_line
         if self.gate is None or not (self.adaptive and self.cost_aware and self.drafters and decodes):
             return decodes
-        rows = [(w.node_budget, w.max_depth, self.states[w.request.request_id].budget.alpha) for w in decodes]
+        rows = [(w.node_budget, w.max_depth, self.states[w.request.request_id].budget.observed_alpha) for w in decodes]
         if line is None or self._level_s is None:
             choice = self.gate.warmup(rows, self.depth_nodes)
         else:
