@@ -243,9 +243,10 @@ class SpecGate:
     it keeps the best cap only when it beats no trees by ``min_gain``. When it does not, the step runs without
     trees, except one probe step (the best cap, for a quarter of the rows that asked, in turn) after
     ``probe_every`` refused steps; each probe that does not switch speculation back on doubles the wait, up to
-    ``max_probe_every``, so a batch where drafts never pay spends a vanishing share of its steps probing. The same batch-level trade-off as the goodput-based
-    speculation control of SmartSpec (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large Language
-    Models Using Goodput"), here from this engine's own fitted step costs.
+    ``max_probe_every``, so a batch where drafts never pay spends a vanishing share of its steps probing. The same
+    batch-level trade-off as the goodput-based speculation control of SmartSpec (Liu et al. 2024, "Optimizing
+    Speculative Decoding for Serving Large Language Models Using Goodput"), here from this engine's own fitted step
+    costs.
 
     The decision uses only what is known before the step's drafts are drawn (granted budgets, acceptance of
     earlier steps, measured costs), so a cut never depends on a drawn value: exact sampling is kept.

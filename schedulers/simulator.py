@@ -197,8 +197,8 @@ class SimExecutor:
         """``plan`` with its trees cut by the gate (small trees until both costs were measured)."""
         if self.gate is None or not plan.decodes:
             return plan
-        rows = [(w.node_budget if w.request.speculate else 1, w.max_depth, self._budget(w.request.request_id).observed_alpha)
-                for w in plan.decodes]
+        rows = [(w.node_budget if w.request.speculate else 1, w.max_depth,
+                 self._budget(w.request.request_id).observed_alpha) for w in plan.decodes]
         if self._verify_line is None or self._level_s is None:
             choice = self.gate.warmup(rows, self.depth_nodes)
         else:

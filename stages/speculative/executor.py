@@ -310,12 +310,13 @@ class SpeculativeExecutor:
         """The plan's decodes with this step's trees cut or dropped for the whole batch when they are expected to
         lose (:class:`~specstream.schedulers.costmodel.SpecGate`: the target forward's fitted fixed + per-token
         seconds, the measured draft seconds per level, each request's per-level acceptance). Decided before any
-        draft is drawn. Until both costs have been measured, trees are cut to the gate's warm-up depth."""
+        draft is drawn. Until both costs have been measured: the gate's warm-up (one draft level, at most 16 rows)."""
         decodes = plan.decodes
         line = self._verify_line
         if self.gate is None or not (self.adaptive and self.cost_aware and self.drafters and decodes):
             return decodes
-        rows = [(w.node_budget, w.max_depth, self.states[w.request.request_id].budget.observed_alpha) for w in decodes]
+        rows = [(w.node_budget, w.max_depth, self.states[w.request.request_id].budget.observed_alpha)
+                for w in decodes]
         if line is None or self._level_s is None:
             choice = self.gate.warmup(rows, self.depth_nodes)
         else:
