@@ -10,7 +10,10 @@ text is gibberish, but the work per step is real. Reports tokens/s and tau of:
 - ``hf/assisted``: transformers assisted generation with the same draft (``assistant_model``);
 - ``hf/prompt-lookup``: transformers ``prompt_lookup_num_tokens=10``;
 - a replay-drafter sweep (the target's recorded greedy continuation corrupted at a rate) charting speed-up
-  against tree size and acceptance.
+  against tree size and acceptance;
+- a batch sweep (:func:`batch_sweep`, ``--batch-sizes 1,4,8``): at each batch size the same engine with and
+  without speculation, the adaptive budget with the step-level gate and without it (per-request budgets alone),
+  and the replay drafter where drafts are mostly right (speculation should stay on).
 
 Every configuration's output is checked identical to ``hf/greedy``.
 """
@@ -164,6 +167,76 @@ def run(target: Path, draft: Path, prompts: list[list[int]], max_new_tokens: int
     return results
 
 
+BATCH_SIZES = (1, 4, 8)
+
+
+def batch_sweep(target: Path, draft: Path, batch_sizes: tuple[int, ...], max_new_tokens: int, vocab: int,
+                rounds: int = 2, progress: bool = True) -> list[dict]:
+    """Tokens/s at each batch size of: the engine (draft + n-gram drafters, SpecInfer's tree) without
+    speculation, with the adaptive budget and the step-level gate (``ours/adaptive``), with per-request budgets
+    alone (``ours/adaptive-no-gate``), and a replay drafter (the target's greedy continuation, 10 % corrupted,
+    chain of 4) with the gate. A fresh engine per timed run (its cost measurements start from nothing), rounds
+    interleaved, best of ``rounds``; ratios against ``ours/no-spec`` of the same batch size, by wall time and by
+    the process's CPU time (less disturbed on a shared machine). Every output is checked against the
+    no-speculation output of the same prompt.
+
+    Returns: one record per (batch, config): ``batch``, ``config``, ``tok_s``, ``tau``, ``vs_no_spec``,
+    ``cpu_vs_no_spec``, ``identical``, and for gated configs the gate's step counts (``gate``: on / off / probe).
+    """
+    from specstream.stages.speculative.drafters.model import TreeSpec
+    from specstream.stages.speculative.drafters.replay import ReplayDrafter
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+    records = []
+    for b in batch_sizes:
+        prompts = make_prompts(b, vocab, seed=100 + b)
+        total = b * max_new_tokens
+
+        def engine(drafts, ngram, tree="1,1,3,1,1,1,1,1", gate=True, extra=None):
+            cfg = EngineConfig(num_slots=b, max_len=1024, tree=TreeSpec.parse(tree))
+            eng = SpeculativeEngine.from_checkpoints(target, drafts, ngram=ngram, config=cfg)
+            if extra is not None:
+                eng.executor.drafters.append(extra)
+            if not gate:
+                eng.executor.gate = None
+            return eng
+
+        reference = [r.output_ids for r in engine([], False).generate(prompts, max_new_tokens, speculate=False)]
+        recordings = {tuple(p): r for p, r in zip(prompts, reference)}
+        configs = {
+            "ours/no-spec": lambda: (engine([draft], True), False),
+            "ours/adaptive": lambda: (engine([draft], True), True),
+            "ours/adaptive-no-gate": lambda: (engine([draft], True, gate=False), True),
+            "ours/replay-c0.1": lambda: (engine([], False, tree="1,1,1,1", extra=ReplayDrafter(
+                recordings, 0.1, 4, vocab, seed=b)), True),
+        }
+        best: dict[str, dict] = {}
+        for _ in range(rounds):
+            for name, make in configs.items():
+                eng, speculate = make()
+                t0, c0 = time.perf_counter(), time.process_time()
+                reqs = eng.generate(prompts, max_new_tokens, speculate=speculate)
+                secs, cpu = time.perf_counter() - t0, time.process_time() - c0
+                steps = max(r.stats.target_steps for r in reqs)
+                rec = {"batch": b, "config": name, "s": secs, "tok_s": total / secs, "cpu_s": cpu,
+                       "tok_per_cpu_s": total / cpu,
+                       "tau": sum(len(r.output_ids) for r in reqs) / sum(r.stats.target_steps for r in reqs),
+                       "steps": steps, "identical": [r.output_ids for r in reqs] == reference}
+                if speculate and eng.executor.gate is not None:
+                    rec["gate"] = dict(eng.executor.gate.counts)
+                if name not in best or rec["tok_s"] > best[name]["tok_s"]:
+                    best[name] = rec
+        for name, rec in best.items():
+            rec["vs_no_spec"] = rec["tok_s"] / best["ours/no-spec"]["tok_s"]
+            rec["cpu_vs_no_spec"] = rec["tok_per_cpu_s"] / best["ours/no-spec"]["tok_per_cpu_s"]
+            records.append(rec)
+            if progress:
+                print(f"batch {b} {name}: {rec['tok_s']:.1f} tok/s ({rec['vs_no_spec']:.3f}x no-spec; per CPU "
+                      f"second {rec['cpu_vs_no_spec']:.3f}x) "
+                      f"tau={rec['tau']:.2f} identical={rec['identical']} {rec.get('gate', '')}", flush=True)
+    return records
+
+
 def plot(results: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -203,8 +276,18 @@ def main(args) -> int:
     from specstream.stages.speculative.models.loader import resolve_checkpoint
 
     vocab = resolve_checkpoint(target).decoder_config().vocab_size
+    sizes = tuple(getattr(args, "batch_sizes", None) or BATCH_SIZES)
+    if getattr(args, "batch_only", False):
+        sweep = batch_sweep(target, draft, sizes, args.max_new_tokens, vocab)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "bench_spec_batch.json").write_text(json.dumps(sweep, indent=2))
+        return 0 if all(r["identical"] for r in sweep) else 1
     prompts = make_prompts(args.prompts, vocab)
     res = run(target, draft, prompts, args.max_new_tokens, args.out)
+    res["batch_sweep"] = batch_sweep(target, draft, sizes, args.max_new_tokens, vocab)
+    if args.out is not None:
+        (args.out / "bench_spec.json").write_text(json.dumps(res, indent=2))
     print(json.dumps({k: {kk: round(vv, 3) if isinstance(vv, float) else vv for kk, vv in v.items()}
                       for k, v in res["configs"].items()}, indent=1))
     return 0 if all(c.get("identical", True) for c in res["configs"].values()) else 1

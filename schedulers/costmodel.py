@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from specstream.schedulers.plan import StepPlan
+from specstream.schedulers.plan import DecodeWork, StepPlan
 
 
 @dataclass(frozen=True)
@@ -205,3 +205,197 @@ class StepCostFit:
         w, sx, sy, _, _ = self._sums
         intercept = sy / w - slope * sx / w
         return (intercept, slope) if intercept > 0 else None
+
+
+@dataclass(frozen=True)
+class GateChoice:
+    """What :class:`SpecGate` decided for one step.
+
+    Attributes:
+        depth: deepest draft level any tree of the step may reach (0: no trees this step).
+        keep: per decoding row, whether it keeps a tree (False: root only).
+        probe: the trees run although the gate expects them to lose (a probe, so acceptance is measured again).
+        rate_on, rate_off: expected committed tokens per second with the chosen trees and with none.
+    """
+
+    depth: int
+    keep: tuple[bool, ...]
+    probe: bool
+    rate_on: float
+    rate_off: float
+
+
+class SpecGate:
+    """Speculation on or off for a whole step, from measured costs: the batch's expected committed tokens per
+    second with the granted trees against without them.
+
+    Per-request budgets (``AdaptiveBudget``) ask for a tree each; what a tree costs depends on the batch: every
+    tree node is one more token of the shared target forward (``per_token_s`` seconds, from :class:`StepCostFit`)
+    and every draft level one more draft forward (``level_s`` seconds, measured). With ``n`` decoding rows, row
+    ``i``'s tree cut after depth ``d_i`` (``nodes_i`` nodes, root included) and per-level acceptance ``a_i``,
+
+    - tokens per step = ``n + sum_i (a_i + a_i^2 + ... + a_i^d_i)``;
+    - step seconds = ``fixed_s + per_token_s * (extra_tokens + n + sum_i (nodes_i - 1)) + level_s * max_i d_i``;
+    - without trees: ``n`` tokens in ``fixed_s + per_token_s * (extra_tokens + n)`` seconds.
+
+    :meth:`decide` tries every batch-wide depth cap ``D`` (each tree cut after ``min(D, d_i)``), and for each drops
+    the trees whose own gain, accepted tokens per second of their extra verify cost, is below the batch's rate;
+    it keeps the best cap only when it beats no trees by ``min_gain``. When it does not, the step runs without
+    trees, except one probe step (the best cap, for a quarter of the rows that asked, in turn) after
+    ``probe_every`` refused steps; each probe that does not switch speculation back on doubles the wait, up to
+    ``max_probe_every``, so a batch where drafts never pay spends a vanishing share of its steps probing. The same
+    batch-level trade-off as the goodput-based speculation control of SmartSpec (Liu et al. 2024, "Optimizing
+    Speculative Decoding for Serving Large Language Models Using Goodput"), here from this engine's own fitted step
+    costs.
+
+    The decision uses only what is known before the step's drafts are drawn (granted budgets, acceptance of
+    earlier steps, measured costs), so a cut never depends on a drawn value: exact sampling is kept.
+
+    Args:
+        min_gain: least expected speed-up of the trees over a plain step (1.0: any gain).
+        probe_every: refused steps before the first probe.
+        max_probe_every: the longest wait between probes.
+        warmup_nodes: rows that draft (one level each) while the costs are not measured yet (:meth:`warmup`):
+            one full tree per request of a large batch on a CPU costs several plain steps, and a deep tree of a
+            useless draft several draft forwards, so the first drafted step is a small one.
+    """
+
+    def __init__(self, min_gain: float = 1.02, probe_every: int = 8, max_probe_every: int = 64,
+                 warmup_nodes: int = 16):
+        if min_gain <= 0 or probe_every < 1 or max_probe_every < probe_every or warmup_nodes < 1:
+            raise ValueError("SpecGate: need min_gain > 0, 1 <= probe_every <= max_probe_every, warmup_nodes >= 1")
+        self.min_gain = min_gain
+        self.warmup_nodes = warmup_nodes
+        self.probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self.interval = probe_every
+        self.refused = 0
+        #: share of the asking rows one probe drafts for (in turn)
+        self.probe_share = 0.25
+        self._probe_turn = 0
+        #: steps decided: with trees, without (refused), probes
+        self.counts = {"on": 0, "off": 0, "probe": 0}
+
+    def warmup(self, rows: list[tuple[int, int, float]], depth_nodes: tuple[int, ...] = ()) -> GateChoice:
+        """Before both costs are measured: one draft level (the cheapest measurement of a level's cost and of
+        the verify cost of extra nodes) for at most ``warmup_nodes`` of the rows that asked for a tree."""
+        keep, taken = [], 0
+        for b, m, _ in rows:
+            take = b > 1 and m > 0 and taken < self.warmup_nodes
+            taken += take
+            keep.append(take)
+        return GateChoice(1 if taken else 0, tuple(keep), False, 0.0, 0.0)
+
+    @staticmethod
+    def _shape(budget: int, max_depth: int, cap: int, depth_nodes: tuple[int, ...]) -> tuple[int, int]:
+        """(nodes, depth) of a tree of at most ``budget`` nodes and ``min(max_depth, cap)`` levels; the
+        configured tree's nodes per depth ``depth_nodes`` (``()``: a chain)."""
+        limit = min(max_depth, cap)
+        if depth_nodes:
+            limit = min(limit, len(depth_nodes) - 1)
+        nodes_at = (lambda d: depth_nodes[d]) if depth_nodes else (lambda d: d + 1)
+        depth = 0
+        while depth < limit and nodes_at(depth) < budget:
+            depth += 1
+        return (min(budget, nodes_at(depth)), depth) if depth > 0 else (1, 0)
+
+    @staticmethod
+    def _rate(gains, keep, shapes, n, fixed_s, per_token_s, level_s, extra_tokens) -> float:
+        """Expected committed tokens per second of a step (class docstring); ``gains[i][d]`` = row ``i``'s
+        expected accepted tokens at depth ``d``."""
+        tokens, nodes, depth = float(n), extra_tokens + n, 0
+        for g, k, (m, d) in zip(gains, keep, shapes):
+            if k and d > 0:
+                tokens += g[d]
+                nodes += m - 1
+                depth = max(depth, d)
+        return tokens / (fixed_s + per_token_s * nodes + level_s * depth)
+
+    def decide(self, rows: list[tuple[int, int, float]], fixed_s: float, per_token_s: float, level_s: float,
+               depth_nodes: tuple[int, ...] = (), extra_tokens: int = 0) -> GateChoice:
+        """Choose this step's trees.
+
+        Args:
+            rows: per decoding row, ``(node_budget, max_depth, alpha)``: its granted nodes (root included; 1 = no
+                tree), deepest draft level allowed, and estimated per-level acceptance (0..1).
+            fixed_s, per_token_s: the target forward's fitted seconds per step and per verified token.
+            level_s: measured seconds of one draft level (one batched draft forward).
+            depth_nodes: nodes of the configured tree cut after each depth, root included (``()``: chains).
+            extra_tokens: other tokens of the same forward (prefill chunks).
+
+        Returns:
+            a :class:`GateChoice`; rows that asked for no tree never get one.
+        """
+        n = len(rows)
+        asked = [b > 1 and m > 0 for b, m, _ in rows]
+        costs = (fixed_s, per_token_s, level_s, extra_tokens)
+        plain = n / (fixed_s + per_token_s * (extra_tokens + n)) if n else 0.0
+        if not any(asked):
+            return GateChoice(0, tuple(asked), False, plain, plain)
+        max_cap = max(m for (_, m, _), a in zip(rows, asked) if a)
+        by_alpha: dict[float, list[float]] = {}
+        for _, _, alpha in rows:
+            if alpha not in by_alpha:
+                g, term = [0.0], 1.0
+                for _ in range(max_cap):
+                    term *= alpha
+                    g.append(g[-1] + term)
+                by_alpha[alpha] = g
+        gains = [by_alpha[alpha] for _, _, alpha in rows]  # per row, a + a^2 + ... + a^d for d = 0..max_cap
+        best = (0.0, 0, tuple([False] * n))
+        memo: dict[tuple[int, int, int], tuple[int, int]] = {}
+
+        def shape(b: int, m: int, cap: int) -> tuple[int, int]:
+            key = (b, m, cap)
+            if key not in memo:
+                memo[key] = self._shape(b, m, cap, depth_nodes)
+            return memo[key]
+
+        for cap in range(1, max_cap + 1):
+            shapes = [shape(b, m, cap) if a else (1, 0) for (b, m, _), a in zip(rows, asked)]
+            keep = [a and d > 0 for a, (_, d) in zip(asked, shapes)]
+            rate = self._rate(gains, keep, shapes, n, *costs)
+            for _ in range(4):  # drop trees that earn less per second of their own verify cost than the batch
+                drop = [k and per_token_s * (m - 1) * rate > g[d] for k, (m, d), g in zip(keep, shapes, gains)]
+                if not any(drop) or sum(keep) == sum(drop):
+                    break
+                keep = [k and not x for k, x in zip(keep, drop)]
+                rate = self._rate(gains, keep, shapes, n, *costs)
+            if rate > best[0] and any(keep):
+                best = (rate, cap, tuple(keep))
+        rate_on, cap, keep = best
+        if cap and rate_on >= self.min_gain * plain:
+            self.interval, self.refused = self.probe_every, 0
+            self.counts["on"] += 1
+            return GateChoice(cap, keep, False, rate_on, plain)
+        self.refused += 1
+        if cap and self.refused >= self.interval:
+            self.refused = 0
+            self.interval = min(self.max_probe_every, 2 * self.interval)
+            self.counts["probe"] += 1
+            return GateChoice(cap, self._probe_rows(asked), True, rate_on, plain)
+        self.counts["off"] += 1
+        return GateChoice(0, tuple([False] * n), False, rate_on, plain)
+
+    def _probe_rows(self, asked: list[bool]) -> tuple[bool, ...]:
+        """The rows a probe drafts for: a quarter of those that asked (at least one), in turn from probe to
+        probe, so a probe at a large batch costs a few rows' trees rather than every row's."""
+        idx = [i for i, a in enumerate(asked) if a]
+        take = max(1, math.ceil(len(idx) * self.probe_share))
+        start = self._probe_turn % len(idx)
+        self._probe_turn += take
+        chosen = {idx[(start + k) % len(idx)] for k in range(take)}
+        return tuple(i in chosen for i in range(len(asked)))
+
+    def cut(self, decodes: tuple[DecodeWork, ...], choice: GateChoice,
+            depth_nodes: tuple[int, ...] = ()) -> tuple[DecodeWork, ...]:
+        """``decodes`` with the trees ``choice`` keeps cut to its depth (node budget and ``max_depth``), the others
+        root only."""
+        out = []
+        for work, keep in zip(decodes, choice.keep):
+            if not keep or choice.depth == 0:
+                out.append(replace(work, node_budget=1) if work.node_budget > 1 else work)
+                continue
+            nodes, depth = self._shape(work.node_budget, work.max_depth, choice.depth, depth_nodes)
+            out.append(replace(work, node_budget=nodes, max_depth=depth))
+        return tuple(out)

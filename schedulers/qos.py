@@ -28,7 +28,9 @@ Policy, in the order :meth:`QosScheduler.schedule` applies it:
    highest class first; ``batch`` keeps ``batch_share`` of the budget when it has work. Trees shrink (batch's
    first) when the step would verify more than ``spec_token_limit`` tokens (the forward turns compute-bound and
    speculation stops paying) and, above the high watermark, non-realtime trees shrink to the root only. Low
-   acceptance switches speculation off per request in the executor's adaptive budget (``requested_nodes``).
+   acceptance switches speculation off per request in the executor's adaptive budget (``requested_nodes``); the
+   granted trees are an upper bound, which the executor's step gate (:class:`~specstream.schedulers.costmodel.
+   SpecGate`) cuts or drops for the whole batch when its measured costs say they lose.
 
 **Models.** A request names its model (``Request.model``); each model has its own slots and context length
 (:class:`ModelLimits`), a per-token cost relative to the budget's unit (``token_cost``) and the bytes one cached

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from specstream.errors import CapacityError, UnreadableSourceError, error_line
 from specstream.schedulers.baselines import FifoEncodeScheduler, StaticBatchScheduler
-from specstream.schedulers.costmodel import CostModel, EncodeCost, get_profile
+from specstream.schedulers.costmodel import CostModel, EncodeCost, SpecGate, StepCostFit, get_profile
 from specstream.schedulers.plan import (
     QOS_CLASSES,
     EncodeItem,
@@ -153,11 +153,17 @@ class SimExecutor:
     Mirrors :class:`~specstream.stages.speculative.executor.SpeculativeExecutor`'s bookkeeping: commit limits
     (``remaining``, ``max_len``), root-only steps when the node budget is 1, and the adaptive tree size asked for
     next step. Tracks per-slot KV lengths and the peak KV tokens held (``peak_kv_tokens``).
+
+    With ``spec_gate`` it also makes the live executor's step-level decision
+    (:class:`~specstream.schedulers.costmodel.SpecGate`) from costs it *measures* as the live one does: each
+    step's target seconds (``cost.target_s``, this one cost model: a one-model simulation) go into a
+    :class:`StepCostFit`, the draft seconds per level into a moving average, and the gate cuts or drops the
+    plan's trees before they run. ``last_step_s`` is the seconds of the plan as executed.
     """
 
     def __init__(self, cost: CostModel, acceptance: dict[str, float], max_len: int,
                  tree_widths: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1), full_nodes: int | None = None,
-                 adaptive: bool = True):
+                 adaptive: bool = True, spec_gate: bool = False):
         from specstream.stages.speculative.drafters.base import AdaptiveBudget
 
         self._budget_cls = AdaptiveBudget
@@ -171,11 +177,55 @@ class SimExecutor:
         self._budgets: dict = {}
         self.lengths: dict[int, int] = {}
         self.peak_kv_tokens = 0
+        #: nodes of the tree cut after each depth, root included (what the gate's cuts keep)
+        self.depth_nodes = tuple(tree_shape(self.tree_widths, 10**9, d)[0] for d in range(len(self.tree_widths) + 1))
+        self.gate: SpecGate | None = SpecGate() if spec_gate and adaptive else None
+        self.verify_fit = StepCostFit()
+        self._verify_line: tuple[float, float] | None = None
+        self._level_s: float | None = None
+        self.last_step_s = 0.0
+        #: steps whose decodes verified at least one tree, and steps with decodes
+        self.drafted_steps = 0
+        self.decode_steps = 0
 
     def _budget(self, rid: str):
         if rid not in self._budgets:
             self._budgets[rid] = self._budget_cls(full_nodes=self.full_nodes)
         return self._budgets[rid]
+
+    def _gated(self, plan: StepPlan) -> StepPlan:
+        """``plan`` with its trees cut by the gate (small trees until both costs were measured)."""
+        if self.gate is None or not plan.decodes:
+            return plan
+        rows = [(w.node_budget if w.request.speculate else 1, w.max_depth,
+                 self._budget(w.request.request_id).observed_alpha) for w in plan.decodes]
+        if self._verify_line is None or self._level_s is None:
+            choice = self.gate.warmup(rows, self.depth_nodes)
+        else:
+            fixed, per_token = self._verify_line
+            extra = sum(p.num_tokens for p in plan.prefills)
+            choice = self.gate.decide(rows, fixed, per_token, self._level_s, self.depth_nodes, extra)
+        return replace(plan, decodes=self.gate.cut(plan.decodes, choice, self.depth_nodes))
+
+    def _measure(self, plan: StepPlan) -> None:
+        """Book the executed plan's target and draft seconds, as the live executor measures its own."""
+        rows = len(plan.prefills) + len(plan.decodes)
+        if not rows:
+            return
+        tokens = plan.num_nodes
+        kv = sum(len(d.request.context) for d in plan.decodes)
+        self.verify_fit.observe(tokens, self.cost.target_s(rows, tokens, kv))
+        line = self.verify_fit.line()
+        if line is not None:
+            self._verify_line = line
+        elif self._verify_line is None:  # no slope yet (or none: a memory-bound forward): flat, the mean step
+            self._verify_line = (self.verify_fit.mean_s(), 0.0)
+        spec = [d for d in plan.decodes if d.node_budget > 1 and d.max_depth > 0 and d.request.speculate]
+        if spec:
+            depth = max(tree_shape(self.tree_widths, d.node_budget, d.max_depth)[1] for d in spec)
+            if depth:
+                level = self.cost.draft_s(depth, sum(d.node_budget - 1 for d in spec)) / depth
+                self._level_s = level if self._level_s is None else 0.8 * self._level_s + 0.2 * level
 
     def execute(self, plan: StepPlan) -> StepOutput:
         for rid, slot, *_ in plan.released:
@@ -184,6 +234,7 @@ class SimExecutor:
             self._budgets.pop(rid, None)
         for rid, slot, *_ in plan.preempted:
             self.lengths.pop(slot, None)
+        plan = self._gated(plan)
         encoded = tuple(EncodeResult(rid, item.item_id) for w in plan.encodes for rid, item in w.items)
         results = []
         peak = sum(self.lengths.values())
@@ -195,25 +246,32 @@ class SimExecutor:
                 results.append(self._commit(req, 0, 0, True))
             else:  # a chunk of a longer prefill: cached, nothing committed yet
                 results.append(RequestStepResult(req.request_id, is_prefill=True, prefill_done=False))
+        drafted = False
         for work in plan.decodes:
             req = work.request
             peak += work.node_budget
             nodes, depth = 1, 0
             if work.node_budget > 1 and work.max_depth > 0 and req.speculate:
                 nodes, depth = tree_shape(self.tree_widths, work.node_budget, work.max_depth)
+                drafted = drafted or depth > 0
             a = self.acceptance.get(req.request_id, 0.0)
             expected = sum(a ** k for k in range(1, depth + 1))
             carry = self._carry.get(req.request_id, 0.0) + expected
             accepted = min(depth, int(math.floor(carry + 1e-9)))
             self._carry[req.request_id] = carry - accepted
-            results.append(self._commit(req, accepted, nodes, False, work.slot))
+            results.append(self._commit(req, accepted, nodes, False, work.slot, depth))
+        if plan.decodes:
+            self.decode_steps += 1
+            self.drafted_steps += drafted
         self.peak_kv_tokens = max(self.peak_kv_tokens, peak)
         rows = len(plan.prefills) + len(plan.decodes)
-        return StepOutput(plan.step, tuple(results), 1 if rows else 0, plan.num_nodes, self.cost.plan_s(plan),
-                          encoded)
+        self.last_step_s = self.cost.plan_s(plan)
+        if self.gate is not None:
+            self._measure(plan)
+        return StepOutput(plan.step, tuple(results), 1 if rows else 0, plan.num_nodes, self.last_step_s, encoded)
 
     def _commit(self, req: Request, accepted: int, tree_nodes: int, is_prefill: bool,
-                slot: int | None = None) -> RequestStepResult:
+                slot: int | None = None, depth: int | None = None) -> RequestStepResult:
         limit = min(req.remaining, self.max_len - len(req.context))
         n = min(accepted + 1, limit)
         num_accepted = min(accepted, n)
@@ -224,7 +282,7 @@ class SimExecutor:
         if req.speculate:
             budget = self._budget(req.request_id)
             if not is_prefill:
-                budget.observe(num_accepted, tree_nodes if tree_nodes else 1)
+                budget.observe(num_accepted, tree_nodes if tree_nodes else 1, depth)
             requested = budget.requested_nodes() if self.adaptive else self.full_nodes
         return RequestStepResult(req.request_id, (0,) * n, num_accepted, is_prefill, reason, None, requested)
 
@@ -260,11 +318,12 @@ class ReplayResult:
     max_wait_s: float
     outputs: dict[str, list[int]] = field(default_factory=dict)
     sim_peak_kv_tokens: int = 0  # KV tokens held + written at the busiest step, as SimExecutor saw them
+    executor: object = None  # the SimExecutor that ran the plans (its gate counts, drafted steps)
 
 
 def replay(events: list[TraceEvent], scheduler, step: Callable[[], list[Request]], clock: VirtualClock,
            cost: CostModel, submit: Callable[[TraceEvent], Request] | None = None, keep_plans: bool = False,
-           max_steps: int = 10_000_000) -> ReplayResult:
+           max_steps: int = 10_000_000, step_s: Callable[[StepPlan], float] | None = None) -> ReplayResult:
     """Drive ``step()`` over ``events`` on ``clock``: arrivals are submitted when the clock reaches them; each step
     advances the clock by ``cost.plan_s(scheduler.last_plan)``; idle time jumps to the next arrival or the
     scheduler's next due encode batch.
@@ -274,6 +333,8 @@ def replay(events: list[TraceEvent], scheduler, step: Callable[[], list[Request]
         step: one engine step (schedule, execute, update); returns the requests that finished.
         submit: builds and queues the request for an event (default: ``scheduler.add(event.request())``);
             may raise :class:`CapacityError`, which records a rejection.
+        step_s: seconds the step just run took, given the scheduler's plan (default ``cost.plan_s``; the
+            simulator passes the seconds of the plan as its executor ran it, trees cut by the gate).
 
     Raises:
         RuntimeError: the scheduler holds work but plans nothing and expects no event (a stall: a bug).
@@ -316,7 +377,7 @@ def replay(events: list[TraceEvent], scheduler, step: Callable[[], list[Request]
             rec = records[p.request.request_id]
             if rec.first_prefill_s is None:
                 rec.first_prefill_s = clock.now
-        dt = cost.plan_s(plan)
+        dt = cost.plan_s(plan) if step_s is None else step_s(plan)
         clock.advance(dt)
         for req in finished:
             rec = records[req.request_id]
@@ -349,7 +410,9 @@ class SimConfig:
     ``models`` give each model's slots and context length), ``cost_profile`` (``"cpu-2core"`` | ``"h200-est"``),
     ``cost`` (overrides of :class:`CostModel` fields; ``encoders`` as ``{modality: {fixed_s, per_quantum_s,
     quantum}}``; ``models`` as ``{model: {cost_profile, ...overrides}}``: each model's own forward cost),
-    ``tree_widths``, ``full_nodes``, ``adaptive``, ``static_batch_size``, ``static_max_wait_s``.
+    ``tree_widths``, ``full_nodes``, ``adaptive``, ``spec_gate`` (the executor's step-level speculation decision
+    from measured costs, :class:`SimExecutor`; default off, as in acceptance-only executors), ``static_batch_size``,
+    ``static_max_wait_s``.
     """
 
     policy: str = "qos"
@@ -358,6 +421,7 @@ class SimConfig:
     tree_widths: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
     full_nodes: int | None = None
     adaptive: bool = True
+    spec_gate: bool = False
     static_batch_size: int = 8
     static_max_wait_s: float = 0.05
 
@@ -365,7 +429,7 @@ class SimConfig:
     def from_dict(cls, d: dict) -> "SimConfig":
         d = dict(d)
         known = {"policy", "scheduler", "cost_profile", "cost", "tree_widths", "full_nodes", "adaptive",
-                 "static_batch_size", "static_max_wait_s"}
+                 "spec_gate", "static_batch_size", "static_max_wait_s"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown simulator config keys: {sorted(unknown)}")
@@ -384,7 +448,8 @@ class SimConfig:
         cost = cost.with_(**overrides)
         cfg = cls(policy=d.get("policy", "qos"), scheduler=QosConfig.from_dict(d.get("scheduler", {})), cost=cost,
                   tree_widths=tuple(d.get("tree_widths", cls.tree_widths)), full_nodes=d.get("full_nodes"),
-                  adaptive=bool(d.get("adaptive", True)), static_batch_size=int(d.get("static_batch_size", 8)),
+                  adaptive=bool(d.get("adaptive", True)), spec_gate=bool(d.get("spec_gate", False)),
+                  static_batch_size=int(d.get("static_batch_size", 8)),
                   static_max_wait_s=float(d.get("static_max_wait_s", 0.05)))
         if cfg.policy not in ("qos", "fifo", "static"):
             raise ValueError(f"unknown policy {cfg.policy!r}")
@@ -421,14 +486,15 @@ def simulate(events: list[TraceEvent], cfg: SimConfig | None = None, keep_plans:
     clock = VirtualClock(0.0)
     sched = make_scheduler(cfg, clock, metrics)
     ex = SimExecutor(cfg.cost, {e.id: e.acceptance for e in events}, cfg.scheduler.max_len, cfg.tree_widths,
-                     cfg.full_nodes, cfg.adaptive)
+                     cfg.full_nodes, cfg.adaptive, cfg.spec_gate)
 
     def step() -> list[Request]:
         plan = sched.schedule()
         return sched.update(ex.execute(plan))
 
-    result = replay(events, sched, step, clock, cfg.cost, keep_plans=keep_plans)
+    result = replay(events, sched, step, clock, cfg.cost, keep_plans=keep_plans, step_s=lambda _: ex.last_step_s)
     result.sim_peak_kv_tokens = ex.peak_kv_tokens
+    result.executor = ex
     return result
 
 

@@ -295,6 +295,9 @@ def _add_bench(sub) -> None:
     spec.add_argument("--out", type=Path, default=Path("docs/bench"), help="output dir for JSON and plots")
     spec.add_argument("--quick", action="store_true",
                       help="a smoke run (tiny shapes; with --real: one prompt, 4 new tokens, 2 profiled steps)")
+    spec.add_argument("--batch-sizes", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=None,
+                      help="batch sizes of the batch sweep, speculation vs none (default 1,4,8; not --real)")
+    spec.add_argument("--batch-only", action="store_true", help="only the batch sweep (not --real)")
     from specstream.pipeline.bench_spec_real import add_arguments
 
     add_arguments(spec)

@@ -42,7 +42,7 @@ from specstream.schedulers.plan import (
     StepOutput,
     StepPlan,
 )
-from specstream.schedulers.costmodel import StepCostFit
+from specstream.schedulers.costmodel import SpecGate, StepCostFit
 from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
 from specstream.stages.speculative.drafters.grammar import GrammarDrafter
 from specstream.stages.speculative.grammar import DraftView, grammar_constraint_of
@@ -190,7 +190,12 @@ class SpeculativeExecutor:
         #: the target forward's seconds against the tokens it verified (``StepCostFit``)
         self.verify_fit = StepCostFit()
         self._level_s: float | None = None
+        #: the last usable (intercept, slope) of :attr:`verify_fit` (plain steps alone leave it without a slope)
+        self._verify_line: tuple[float, float] | None = None
         self.cost_aware = True
+        #: the step-level decision (speculation on or off for the whole batch, from measured costs) of adaptive,
+        #: cost-aware executors; None: per-request budgets alone
+        self.gate: SpecGate | None = SpecGate()
         #: nodes of the first static-tree model drafter's tree cut after each depth (the depth-by-cost budget)
         self.depth_nodes: tuple[int, ...] = next(
             (d.tree_spec.depth_nodes() for d in self.drafters if getattr(d, "tree_spec", None) is not None), ())
@@ -331,6 +336,24 @@ class SpeculativeExecutor:
         return trees, time.perf_counter() - t0
 
     # -- the step -------------------------------------------------------------------------------------------
+    def _gate_step(self, plan: StepPlan) -> tuple[DecodeWork, ...]:
+        """The plan's decodes with this step's trees cut or dropped for the whole batch when they are expected to
+        lose (:class:`~specstream.schedulers.costmodel.SpecGate`: the target forward's fitted fixed + per-token
+        seconds, the measured draft seconds per level, each request's per-level acceptance). Decided before any
+        draft is drawn. Until both costs have been measured: the gate's warm-up (one draft level, at most 16 rows)."""
+        decodes = plan.decodes
+        line = self._verify_line
+        if self.gate is None or not (self.adaptive and self.cost_aware and self.drafters and decodes):
+            return decodes
+        rows = [(w.node_budget, w.max_depth, self.states[w.request.request_id].budget.observed_alpha)
+                for w in decodes]
+        if line is None or self._level_s is None:
+            choice = self.gate.warmup(rows, self.depth_nodes)
+        else:
+            extra = sum(len(p.tokens) for p in plan.prefills)
+            choice = self.gate.decide(rows, line[0], line[1], self._level_s, self.depth_nodes, extra)
+        return self.gate.cut(decodes, choice, self.depth_nodes)
+
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run ``plan``: draft, target forward(s), batched verification on the device, one host copy, commit."""
         t_start = time.perf_counter()
@@ -345,7 +368,8 @@ class SpeculativeExecutor:
         encoded = self._encode(plan.encodes)
         if not plan.prefills and not plan.decodes:
             return StepOutput(plan.step, (), 0, 0, time.perf_counter() - t_start, encoded)
-        trees, draft_s = self._draft(plan.decodes)
+        decodes = self._gate_step(plan)
+        trees, draft_s = self._draft(decodes)
         drafted = any(len(t) > 1 for t in trees)
         t_verify = time.perf_counter()
         rows: list[_Row] = []
@@ -361,9 +385,9 @@ class SpeculativeExecutor:
                     st.encoder_output = None  # in the slot now (a preemption copies it out again)
             rows.append(_Row(st, work, work.slot, work.start, list(work.tokens)))
         compiled = None
-        if plan.decodes:
+        if decodes:
             compiled = compile_trees(trees, self.target.device, self.target.config.vocab_size)
-            for j, (work, tree) in enumerate(zip(plan.decodes, trees)):
+            for j, (work, tree) in enumerate(zip(decodes, trees)):
                 st = self.states[work.request.request_id]
                 rows.append(_Row(st, work, work.slot, self.cache.lengths[work.slot], tree.tokens, tree, j))
         results = self._run_rows(rows, compiled)
@@ -371,19 +395,26 @@ class SpeculativeExecutor:
         if drafted and verify_s > 0 and self.cost_aware:
             ratio = draft_s / verify_s
             self.cost_ratio = ratio if self.cost_ratio is None else 0.8 * self.cost_ratio + 0.2 * ratio
-            level_s = draft_s / max(1, max(t.max_depth for t in trees))
+            # one-off catch-up reads (a prompt, tokens of steps without drafts) are not a cost per level
+            steady_s = max(0.0, draft_s - sum(d.catch_up_excess_s() for d in self.drafters))
+            level_s = steady_s / max(1, max(t.max_depth for t in trees))
             self._level_s = level_s if self._level_s is None else 0.8 * self._level_s + 0.2 * level_s
         if verify_s > 0 and self.cost_aware:
             self.verify_fit.observe(sum(len(r.tokens) for r in rows), verify_s)
+            line = self.verify_fit.line()
+            if line is not None:
+                self._verify_line = line
+            elif self._verify_line is None:  # no slope yet (or none: a memory-bound forward): flat, the mean step
+                self._verify_line = (self.verify_fit.mean_s(), 0.0)
+            line = self._verify_line
             if self._level_s is not None:
-                line = self.verify_fit.line()
-                n_dec = len(plan.decodes)
+                n_dec = len(decodes)
                 plain = line[0] + line[1] * n_dec if line is not None and n_dec else None
                 if plain:  # relative to a plain step of this batch: one root per decoding row
                     self.depth_cost, self.node_cost = self._level_s / plain, line[1] * n_dec / plain
                 else:
                     self.depth_cost, self.node_cost = self._level_s / verify_s, 0.0
-        n_dec = max(1, len(plan.decodes))
+        n_dec = max(1, len(decodes))
         results = [
             dataclasses.replace(r, draft_s=0.0 if r.is_prefill else draft_s / n_dec, verify_s=verify_s / len(rows))
             for r in results

@@ -69,6 +69,12 @@ class Drafter(abc.ABC):
     def release(self, slot: int) -> None:
         """The request in ``slot`` ended or was preempted: forget anything cached for the slot."""
 
+    def catch_up_excess_s(self) -> float:
+        """Seconds of the last :meth:`propose` spent reading committed tokens beyond what a step that also
+        drafted the step before reads (a prompt, or the tokens of steps without drafts); the executor leaves them
+        out of the draft cost per level it measures. 0 for drafters without a cache."""
+        return 0.0
+
 
 @dataclass
 class AdaptiveBudget:
@@ -91,7 +97,9 @@ class AdaptiveBudget:
     ``k`` of ``D`` levels is ``k`` hits and one miss when ``k < D``). A deep tree whose draft costs more than its
     acceptance earns is shortened instead of switched off; ``d = 0`` switches drafting off (with probes). The
     same trade-off as the draft-length controllers of "SpecDec++" (Huang et al. 2024) and vLLM's speculative
-    length tuning, here per request from measured costs.
+    length tuning, here per request from measured costs. What a request asks for is decided for it alone; whether
+    the batch's trees pay together (every node is a token of the shared target forward) is the executor's step
+    gate's decision (:class:`~specstream.schedulers.costmodel.SpecGate`), which reads :attr:`alpha`.
     """
 
     full_nodes: int
@@ -106,6 +114,8 @@ class AdaptiveBudget:
     #: decayed counts of accepted levels and of rejections (the per-level acceptance estimate)
     hits: float = 1.0
     misses: float = 0.0
+    #: what is left in ``hits`` of its initial optimistic 1.0 (decays with every observed step)
+    prior: float = 1.0
 
     def observe(self, num_accepted: int, proposed: int, depth: int | None = None) -> None:
         """Book one verification step: ``num_accepted`` draft tokens accepted out of a ``proposed``-node tree
@@ -116,6 +126,7 @@ class AdaptiveBudget:
         self.ema = self.decay * self.ema + (1 - self.decay) * num_accepted
         depth = proposed - 1 if depth is None else depth
         self.hits = self.decay * self.hits + (1 - self.decay) * num_accepted
+        self.prior *= self.decay
         self.misses = self.decay * self.misses + (1 - self.decay) * (1.0 if num_accepted < depth else 0.0)
         self.steps_off = 0
 
@@ -124,6 +135,14 @@ class AdaptiveBudget:
         """Estimated probability that a draft level is accepted, given the levels above it were."""
         total = self.hits + self.misses
         return self.hits / total if total > 0 else 0.0
+
+    @property
+    def observed_alpha(self) -> float:
+        """:attr:`alpha` from the observed steps alone (the optimistic prior left out): what the step gate weighs,
+        so one useless first tree is enough to stop drafting for a batch; :attr:`alpha` before any step."""
+        hits = self.hits - self.prior
+        total = hits + self.misses
+        return hits / total if total > 1e-9 else self.alpha
 
     def best_depth(self, depth_cost: float, node_cost: float = 0.0) -> int:
         """The depth (0 = no drafts) with the highest expected tokens per unit of step time."""

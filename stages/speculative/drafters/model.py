@@ -22,6 +22,8 @@ budget cut never depends on the drawn values (:mod:`specstream.stages.speculativ
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +134,7 @@ class ModelDrafter(Drafter):
         #: committed tokens re-read by catch-up forwards (the KV commit keeps this near one per step)
         self.catch_up_tokens = 0
         self._pending: list[tuple[int, int, list[int]]] = []  # KV commits of this step: (slot, base, columns)
+        self._excess_s = 0.0  # the last catch-up's seconds spent on tokens beyond a steady step's
 
     # -- forwards ------------------------------------------------------------------------------------------
     def _forward(self, slots: list[int], ids: list[list[int]], positions: list[list[int]], columns: list[list[int]],
@@ -153,6 +156,7 @@ class ModelDrafter(Drafter):
 
     def _catch_up(self, inputs: list[DraftInput]) -> torch.Tensor:
         """Feed every request's committed tokens the draft has not seen; returns the root rows' logits ``[B, V]``."""
+        t0 = time.perf_counter()
         ids, pos, slots, starts = [], [], [], []
         for inp in inputs:
             cached = self.cache.lengths[inp.slot]
@@ -174,10 +178,18 @@ class ModelDrafter(Drafter):
         mask &= valid[:, :, None]
         mask[:, :, 0] |= ~valid
         logits = self._forward(slots, ids, pos, pos, mask, last_only=True)[:, 0]
-        self.catch_up_tokens += sum(len(r) for r in ids)
+        fed = sum(len(r) for r in ids)
+        self.catch_up_tokens += fed
         for inp in inputs:
             self.cache.lengths[inp.slot] = len(inp.context)
+        # a steady step feeds at most the last step's committed tokens (depth + 1 per request); the rest is a
+        # one-off (a prompt, tokens committed while drafting was off), charged pro rata
+        steady = len(inputs) * (self.tree_spec.depth + 1)
+        self._excess_s = (time.perf_counter() - t0) * max(0, fed - steady) / fed if fed else 0.0
         return logits
+
+    def catch_up_excess_s(self) -> float:
+        return self._excess_s
 
     # -- choosing children on the device -------------------------------------------------------------------
     def _q(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

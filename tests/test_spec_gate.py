@@ -1,0 +1,218 @@
+"""Speculation never loses: the step-level gate (``SpecGate``) switches trees on or off for the whole batch from
+measured costs — unit tests of the decision, the off-decision at batch 8 on the simulator's cost model (and on
+at batch 1), and the live executor's gate on tiny models (exact output, host syncs per step unchanged)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specstream.schedulers.costmodel import CPU_2CORE, GateChoice, SpecGate
+from specstream.schedulers.plan import DecodeWork, Request
+from specstream.schedulers.qos import QosConfig
+from specstream.schedulers.simulator import SimConfig, TraceEvent, simulate
+
+SPECINFER = (1, 2, 3, 6, 9, 12, 15, 18, 21)  # TreeSpec("1,1,3,1,1,1,1,1").depth_nodes()
+# a CPU-like target: 0.16 s per forward (weights read), 0.01 s per verified token; 0.02 s per draft level
+CPU = dict(fixed_s=0.16, per_token_s=0.01, level_s=0.02, depth_nodes=SPECINFER)
+
+
+def test_same_costs_and_acceptance_pay_at_batch_1_and_lose_at_batch_8():
+    """alpha 0.4: one draft level earns 0.4 tokens for 0.01 s of verify (+ 0.02 s of draft).
+
+    batch 1: plain 1 / 0.17 s = 5.882 tokens/s; depth 1: 1.4 / (0.16 + 0.02 + 0.02) = 7.0 (depth 2: 1.56 / 0.23 =
+    6.78) -> on, depth 1. batch 8: plain 8 / 0.24 = 33.33; depth 1: 11.2 / 0.34 = 32.94 -> off.
+    """
+    one = SpecGate().decide([(21, 8, 0.4)], **CPU)
+    assert (one.depth, one.keep, one.probe) == (1, (True,), False)
+    assert one.rate_on == pytest.approx(7.0) and one.rate_off == pytest.approx(1 / 0.17)
+    eight = SpecGate().decide([(21, 8, 0.4)] * 8, **CPU)
+    assert (eight.depth, eight.keep, eight.probe) == (0, (False,) * 8, False)
+    assert eight.rate_on == pytest.approx(11.2 / 0.34) and eight.rate_off == pytest.approx(8 / 0.24)
+
+
+def test_deep_tree_chosen_where_verify_is_cheap():
+    """batch 1, alpha 0.8, 0.5 ms per node, 5 ms per level: tokens/s by depth 32.8, 50.0, 58.8, 61.5, 61.68 (depth
+    4, 9 nodes), 60.5, ... -> depth 4."""
+    c = SpecGate().decide([(21, 8, 0.8)], fixed_s=0.03, per_token_s=0.0005, level_s=0.005, depth_nodes=SPECINFER)
+    assert (c.depth, c.keep) == (4, (True,))
+    assert c.rate_on == pytest.approx(3.3616 / 0.0545) and c.rate_off == pytest.approx(1 / 0.0305)
+
+
+def test_trees_that_earn_less_than_the_batch_are_dropped_and_the_good_one_kept():
+    """batch 8, one request's drafts agree (alpha 0.9), seven others' do not (0.05); 5 ms per draft level. All
+    eight trees at depth 2: 10.08 tokens in 0.41 s (24.6/s), below no trees (33.3/s); the seven earn 0.05 tokens
+    for 0.02 s of verify each and are dropped; the good tree alone at depth 2: 9.71 tokens in 0.27 s = 35.96/s."""
+    rows = [(21, 8, 0.9)] + [(21, 8, 0.05)] * 7
+    c = SpecGate().decide(rows, fixed_s=0.16, per_token_s=0.01, level_s=0.005, depth_nodes=SPECINFER)
+    assert (c.depth, c.keep, c.probe) == (2, (True,) + (False,) * 7, False)
+    assert c.rate_on == pytest.approx(9.71 / 0.27)
+
+
+def test_rows_without_a_tree_never_get_one_and_an_empty_ask_is_plain():
+    c = SpecGate().decide([(1, 8, 1.0), (21, 0, 1.0), (21, 8, 0.9)], fixed_s=0.03, per_token_s=0.0005,
+                          level_s=0.001, depth_nodes=SPECINFER)
+    assert c.keep == (False, False, True) and c.depth > 0
+    gate = SpecGate()
+    plain = gate.decide([(1, 8, 1.0)] * 3, **CPU)
+    assert (plain.depth, plain.keep, gate.counts) == (0, (False,) * 3, {"on": 0, "off": 0, "probe": 0})
+
+
+def test_probes_take_turns_over_the_rows_and_back_off_until_speculation_pays_again():
+    gate = SpecGate()
+    losing = [(21, 8, 0.4)] * 8
+    probes = []
+    for step in range(1, 8 + 16 + 32 + 64 + 64 + 1):
+        c = gate.decide(losing, **CPU)
+        if c.probe:
+            probes.append((step, [i for i, k in enumerate(c.keep) if k], c.depth))
+        else:
+            assert c.depth == 0 and not any(c.keep)
+    # after 8 refused steps, then 16, 32, 64, 64; two rows of eight each time, in turn; the best depth (1)
+    assert probes == [(8, [0, 1], 1), (24, [2, 3], 1), (56, [4, 5], 1), (120, [6, 7], 1), (184, [0, 1], 1)]
+    assert gate.counts == {"on": 0, "off": 179, "probe": 5}
+    assert gate.decide([(21, 8, 0.4)], **CPU).depth == 1  # the batch shrank to one: it pays again
+    assert gate.interval == 8 and gate.refused == 0
+
+
+def test_cut_applies_the_choice_to_the_plans_decodes():
+    reqs = [Request(f"r{i}", [1, 2, 3], 16) for i in range(3)]
+    decodes = (DecodeWork(reqs[0], 0, 21, 8), DecodeWork(reqs[1], 1, 4, 8), DecodeWork(reqs[2], 2, 21, 1))
+    gate = SpecGate()
+    cut = gate.cut(decodes, GateChoice(3, (True, True, False), False, 0.0, 0.0), SPECINFER)
+    # 21 nodes cut after depth 3: 6 nodes; a 4-node budget reaches depth 3 (root, 2 levels, 1 of 3 branches)
+    assert [(w.node_budget, w.max_depth) for w in cut] == [(6, 3), (4, 3), (1, 1)]
+    off = gate.cut(decodes, GateChoice(0, (False,) * 3, False, 0.0, 0.0), SPECINFER)
+    assert [w.node_budget for w in off] == [1, 1, 1] and [w.request for w in off] == reqs
+    # before costs are measured: one draft level, for at most 16 rows
+    assert gate.warmup([(21, 8, 1.0), (1, 8, 1.0)], SPECINFER) == GateChoice(1, (True, False), False, 0.0, 0.0)
+    assert gate.warmup([(21, 8, 1.0)] * 20, SPECINFER).keep == (True,) * 16 + (False,) * 4
+    chain = gate.cut(decodes[1:2], gate.warmup([(4, 8, 1.0)], ()))
+    assert [(w.node_budget, w.max_depth) for w in chain] == [(2, 1)]
+    with pytest.raises(ValueError):
+        SpecGate(probe_every=0)
+
+
+# -- the simulator: the same gate, the costs measured from the simulated steps --------------------------------
+# verifying is costly (a CPU): 0.16 s per target forward + 0.01 s per verified token; drafting 0.02 s per level
+# + 4 ms per draft node; per-token draft acceptance 0.3
+SIM_COST = CPU_2CORE.with_(step_fixed_s=0.16, per_row_s=0.0, per_token_s=0.01, per_kv_token_s=0.0,
+                           draft_level_s=0.02, draft_per_node_s=0.004)
+
+
+def _sim(batch: int, acceptance: float, gate: bool, speculate: bool = True, new_tokens: int = 96):
+    events = [TraceEvent(0.0, f"r{i}", "batch", 600_000.0, 16, new_tokens, 0, 0.0, acceptance)
+              for i in range(batch)]
+    # spec_token_limit out of the way: the gate alone decides
+    sched = QosConfig(num_slots=8, max_len=512, reserved_realtime_slots=0, spec_token_limit=10**6,
+                      max_nodes_per_request=21 if speculate else 1)
+    res = simulate(events, SimConfig(scheduler=sched, cost=SIM_COST, spec_gate=gate))
+    assert all(r.output_len == new_tokens for r in res.records.values())
+    return batch * new_tokens / res.end_s, res.executor
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.3])
+def test_simulator_gate_switches_speculation_off_at_batch_8_and_never_loses(acceptance):
+    plain, _ = _sim(8, acceptance, gate=True, speculate=False)
+    gated, ex = _sim(8, acceptance, gate=True)
+    ungated, _ = _sim(8, acceptance, gate=False)
+    assert gated >= 0.97 * plain
+    assert ungated < 0.7 * plain  # per-request budgets alone keep drafting (acceptance only): a loss
+    assert ex.gate.counts["off"] >= 0.85 * ex.decode_steps
+    assert ex.gate.counts["probe"] <= 4  # at 8, 24, 56, 120 refused steps: vanishing
+    assert ex.drafted_steps <= 8
+
+
+def test_simulator_gate_keeps_speculation_on_where_it_pays_at_batch_1():
+    """The same costs, one request whose drafts are accepted at 0.6 per token: depth 1 commits 1.6 tokens in
+    0.204 s against 1 in 0.17 s (1.33x), so the gate keeps speculation on. (The simulated draft misses its first,
+    warm-up level: 0.6 accepted tokens carry over; the gate, which weighs observed acceptance only, then refuses
+    trees until its first probe, 8 steps later, accepts; from then on it stays on.)"""
+    plain, _ = _sim(1, 0.6, gate=True, speculate=False)
+    gated, ex = _sim(1, 0.6, gate=True)
+    assert gated >= 1.25 * plain
+    assert ex.gate.counts["off"] <= 8 and ex.gate.counts["probe"] == 1
+    assert ex.drafted_steps >= ex.decode_steps - 8
+
+
+def test_sim_config_reads_the_gate_key():
+    assert SimConfig.from_dict({"spec_gate": True}).spec_gate is True
+    assert SimConfig.from_dict({}).spec_gate is False
+
+
+# -- the live executor ---------------------------------------------------------------------------------------
+def _live_engine(tiny, drafts, ngram=False, tree="1,1,3,1,1,1,1,1", gate=True):
+    from specstream.stages.speculative.drafters.model import TreeSpec
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+    paths = {"same": tiny.same, "noisy": tiny.noisy, "random": tiny.random}
+    cfg = EngineConfig(num_slots=8, max_len=128, tree=TreeSpec.parse(tree), adaptive=True, cost_aware=True)
+    eng = SpeculativeEngine.from_checkpoints(tiny.target, [paths[d] for d in drafts], ngram=ngram, config=cfg)
+    if not gate:
+        eng.executor.gate = None
+    return eng
+
+
+def _prompts(n: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(18)
+    return [torch.randint(0, 250, (int(k),), generator=g).tolist() for k in torch.randint(3, 20, (n,), generator=g)]
+
+
+def test_live_gate_switches_a_useless_draft_off_for_the_batch_and_stays_exact(tiny, hf_target):
+    """A random draft at batch 8: after the warm-up step (depth-1 trees) and what the optimistic first
+    acceptance estimate costs, the gate refuses trees for the whole batch, probing a quarter of the rows at a
+    time; every output equals Hugging Face greedy. (Measured costs: which early steps draft depends on timing,
+    the bounds below do not.)"""
+    from conftest import hf_greedy
+
+    prompts = _prompts(8)
+    eng = _live_engine(tiny, ["random"])
+    reqs = eng.generate(prompts, 40)
+    assert [r.output_ids for r in reqs] == [hf_greedy(hf_target, p, 40) for p in prompts]
+    assert all(a == 0 for r in reqs for a in r.stats.accepted_per_step)  # the random draft is never accepted
+    gate = eng.executor.gate
+    assert gate.counts["off"] > gate.counts["on"] and gate.counts["probe"] <= 3, gate.counts
+    # one draft forward per drafted step here (depth-1 trees: the catch-up forward gives their logits): the
+    # warm-up, the few steps the first optimistic acceptance estimate allows, the probes — out of 40 steps
+    assert eng.executor.drafters[0].forwards <= 8
+    ungated = _live_engine(tiny, ["random"], gate=False)  # per-request budgets alone: each request probes alone
+    ungated.generate(prompts, 40)
+    assert ungated.executor.drafters[0].forwards >= 3 * eng.executor.drafters[0].forwards
+
+
+def test_live_gate_keeps_the_host_syncs_per_step(tiny):
+    """With the gate deciding (adaptive, cost-aware): still at most one sync per draft depth and one per verify,
+    each a batched ``tolist``."""
+    from test_engine_device import HostSyncs
+
+    from specstream.kernels.sampling import SamplingParams
+
+    eng = _live_engine(tiny, ["noisy", "same"], ngram=True, tree="1,1,3,1")
+    for i, p in enumerate(_prompts(6)):
+        eng.add_request(eng.make_request(p, 24, SamplingParams("greedy" if i % 2 else "sample", temperature=0.9,
+                                                               seed=i)))
+    per_step = []
+    while eng.has_work():
+        with HostSyncs() as syncs:
+            eng.step()
+        per_step.append(syncs.counts)
+    assert len(per_step) >= 5
+    for counts in per_step:
+        assert sum(counts.values()) <= 4 * 2 + 1, counts
+        assert set(counts) <= {"tolist"}, counts
+    assert sum(eng.executor.gate.counts.values()) >= 1  # the gate decided steps
+
+
+def test_bench_batch_sweep_smoke(tmp_path):
+    """``specstream bench spec --batch-only``'s sweep on tiny shapes: every configuration at each batch size, its
+    output equal to no speculation's, ratios against the same batch size's no-speculation run."""
+    from specstream.pipeline.bench_spec import QUICK, batch_sweep, build_models
+
+    target, draft = build_models(tmp_path / "m", QUICK)
+    recs = batch_sweep(target, draft, (1, 2), 6, QUICK.vocab_size, rounds=1, progress=False)
+    assert [(r["batch"], r["config"]) for r in recs] == [
+        (b, c) for b in (1, 2) for c in ("ours/no-spec", "ours/adaptive", "ours/adaptive-no-gate", "ours/replay-c0.1")]
+    assert all(r["identical"] for r in recs)
+    assert all(r["vs_no_spec"] == 1.0 for r in recs if r["config"] == "ours/no-spec")
+    assert all("gate" in r for r in recs if r["config"] in ("ours/adaptive", "ours/replay-c0.1"))
