@@ -91,8 +91,8 @@ def test_every_subcommand_help_is_plain_complete_text():
     # every subcommand is walked, the bench ones and the nested ``models fetch`` / ``models list`` included
     assert {"", "generate", "caption", "qa", "transcribe", "simulate", "worker", "serve", "models", "models fetch",
             "models list", "bench", "bench spec", "bench scheduler", "bench keyframes", "bench caption",
-            "bench kafka", "bench qa", "bench subtitles", "bench mixed"} <= names
-    assert len(commands) == 20, sorted(names)
+            "bench kafka", "bench qa", "bench subtitles", "bench mixed", "bench transcribe"} <= names
+    assert len(commands) == 21, sorted(names)
     found = [p for words, parser in commands for p in problems(words, parser)]
     assert found == []
 
