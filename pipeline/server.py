@@ -39,7 +39,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import FastAPI, File, Form, HTTPException, UploadFile, WebSocket
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 log = logging.getLogger("specstream.server")
@@ -82,6 +82,8 @@ class ServerSettings(BaseSettings):
         text_model, text_draft: a text model (and its draft) the OpenAI-compatible routes serve too (None: none).
         clip_model, clip_pretrained: open_clip architecture (or model-config JSON) and local weights: a chat
             ``video_url``'s frames are chosen by similarity to the message (None: spread over the scenes).
+        caption_dtype, speech_dtype: weight precision of the caption VLM (and its draft) and of Whisper
+            (``loader.weight_format``: float32, bfloat16, int8, int4, int4-g64; Whisper: float32, bfloat16).
         max_openai_requests: OpenAI-compatible requests in flight; more are answered 429.
         chat_video_frames: keyframes a chat ``video_url`` contributes, at most.
         speech_slots: KV cache slots of the Whisper runner (subtitle windows decoded at once).
@@ -120,6 +122,15 @@ class ServerSettings(BaseSettings):
     speech_slots: int = 16
     min_hop_s: float = Field(0.5, gt=0.0)
     agree_span_s: float = Field(0.0, ge=0.0)
+    caption_dtype: str = "float32"
+    speech_dtype: str = "float32"
+
+    @field_validator("caption_dtype", "speech_dtype")
+    @classmethod
+    def _weight_precision(cls, v: str) -> str:
+        from specstream.kernels.quant import parse_weight_format
+
+        return parse_weight_format(v).label  # ValueError names the precisions
 
 
 class StartMessage(BaseModel):
@@ -490,7 +501,7 @@ class AppState:
             if self.speech is None:
                 s = self.settings
                 self.speech = await asyncio.to_thread(
-                    lambda: SpeechService(_load_speech_model(s.speech_model), num_slots=s.speech_slots,
+                    lambda: SpeechService(_load_speech_model(s.speech_model, s.speech_dtype), num_slots=s.speech_slots,
                                           loop=self.loop))
             await self.speech.start()
             self.ready = True
@@ -532,7 +543,8 @@ class AppState:
                     elif self.settings.caption_draft:
                         drafts = [self.settings.caption_draft]
                     self._captioner = Captioner(target, drafts, TreeSpec.parse("1,1,3,1,1,1,1,1"), temporal=True,
-                                                visual_aware=True, num_slots=8, loop=self.loop)
+                                                visual_aware=True, num_slots=8, loop=self.loop,
+                                                dtype=self.settings.caption_dtype)
                 except Exception as exc:
                     log.exception("caption model failed to load")
                     self.loop.mark_failed("vlm", f"{type(exc).__name__}: {exc}")
@@ -541,10 +553,10 @@ class AppState:
             return self._captioner
 
 
-def _load_speech_model(path: str | None):
+def _load_speech_model(path: str | None, dtype: str = "float32"):
     from specstream.stages.speech import SpeechModel
 
-    return SpeechModel.load(path)
+    return SpeechModel.load(path, dtype)
 
 
 SUBPROTOCOL = "specstream"  # the WebSocket subprotocol the server selects when a client offers it
@@ -906,7 +918,8 @@ async def _run_captions(state: AppState, path: str, prompt: str, max_new_tokens:
 SERVE_FLAGS = {"host": "--host", "port": "--port", "api_keys": "--api-key", "allowed_roots": "--allowed-root",
                "agree_span_s": "--agree-span-s", "caption_target": "--caption-target",
                "caption_draft": "--caption-draft", "speech_model": "--speech-model", "text_model": "--text-model",
-               "text_draft": "--text-draft", "clip_model": "--clip-model", "clip_pretrained": "--clip-pretrained"}
+               "text_draft": "--text-draft", "clip_model": "--clip-model", "clip_pretrained": "--clip-pretrained",
+               "caption_dtype": "--caption-dtype", "speech_dtype": "--speech-dtype"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -941,6 +954,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "(SPECSTREAM_CLIP_MODEL)")
     parser.add_argument("--clip-pretrained", default=None, help="local weights of --clip-model "
                                                                 "(SPECSTREAM_CLIP_PRETRAINED)")
+    parser.add_argument("--caption-dtype", default=None,
+                        help="weight precision of the caption VLM and its draft: float32, bfloat16, int8, int4, "
+                             "int4-g64 (SPECSTREAM_CAPTION_DTYPE; default float32)")
+    parser.add_argument("--speech-dtype", default=None,
+                        help="weight precision of Whisper: float32 or bfloat16 (SPECSTREAM_SPEECH_DTYPE)")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -959,7 +977,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                          ("agree_span_s", args.agree_span_s), ("caption_target", args.caption_target),
                          ("caption_draft", args.caption_draft), ("speech_model", args.speech_model),
                          ("text_model", args.text_model), ("text_draft", args.text_draft),
-                         ("clip_model", args.clip_model), ("clip_pretrained", args.clip_pretrained)):
+                         ("clip_model", args.clip_model), ("clip_pretrained", args.clip_pretrained),
+                         ("caption_dtype", args.caption_dtype), ("speech_dtype", args.speech_dtype)):
         if value is not None:
             over[field] = value
     try:

@@ -30,12 +30,40 @@ _HUB_PATTERNS = ["config.json", "*.safetensors", "model.safetensors.index.json",
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype of a float precision name (float32, bfloat16, float16)."""
     if isinstance(name, torch.dtype):
         return name
     try:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def weight_format(name: str | torch.dtype, device: str | torch.device = "cpu"):
+    """Parse and check a weight precision (``--dtype``): float32, bfloat16, int8, int4 (groups of 32) or
+    int4-g64, as a :class:`~specstream.kernels.quant.WeightFormat`.
+
+    Raises:
+        UnsupportedDtypeError: an unknown name, or one ``device`` cannot run (no packed kernel, no bfloat16
+            hardware support); the message lists what is available. ``SPECSTREAM_DISABLE_DTYPES`` (comma list)
+            marks precisions unavailable, as a missing kernel would.
+    """
+    from specstream.errors import UnsupportedDtypeError
+    from specstream.kernels.quant import available_weight_dtypes, kernel_available, parse_weight_format
+
+    if isinstance(name, torch.dtype):
+        name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(name, str(name))
+    disabled = {d.strip() for d in os.environ.get("SPECSTREAM_DISABLE_DTYPES", "").split(",") if d.strip()}
+    available = [d for d in available_weight_dtypes(device) if d not in disabled]
+    try:
+        fmt = parse_weight_format(name)
+    except ValueError:
+        raise UnsupportedDtypeError(f"unknown dtype {name!r}; available on {device}: {', '.join(available)}"
+                                    ) from None
+    if fmt.label in disabled or fmt.name in disabled or not kernel_available(fmt, device):
+        raise UnsupportedDtypeError(f"dtype {fmt.label} cannot run on {device} (no kernel or hardware support); "
+                                    f"available: {', '.join(available)}")
+    return fmt
 
 
 @dataclass(frozen=True)
@@ -264,19 +292,30 @@ def load_decoder(
     checkpoint: Checkpoint | str | os.PathLike, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ):
     """Build the decoder runtime of a checkpoint and load its weights (strict: every tensor must exist):
-    a :class:`LlamaDecoder` for Llama-family models, a ``WhisperDecoder`` for Whisper. On the CPU the Llama
-    decoder's linear layers are pre-packed for oneDNN (:mod:`specstream.kernels.linear`).
+    a :class:`LlamaDecoder` for Llama-family models, a ``WhisperDecoder`` for Whisper.
+
+    ``dtype`` is the weight precision (:func:`weight_format`): float32 or bfloat16 weights (on the CPU the
+    linear layers are pre-packed for oneDNN, :mod:`specstream.kernels.linear`), or int8 / int4 weight-only
+    quantization (:mod:`specstream.kernels.quant`) with bfloat16 activations and KV cache. Quantized weights are
+    made one tensor at a time while reading the files (peak memory: the quantized model plus one float tensor);
+    the token embedding is quantized the same way and, when tied, is the ``lm_head`` (one copy).
 
     Raises:
-        CheckpointNotFoundError, UnsupportedArchitectureError.
+        CheckpointNotFoundError, UnsupportedArchitectureError, UnsupportedDtypeError.
     """
     from specstream.stages.speculative.models.llama import LlamaDecoder
 
+    fmt = weight_format(dtype, device)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
     if ckpt.config.get("model_type") == "whisper":
         from specstream.stages.speculative.models.whisper import load_whisper_decoder
 
-        return load_whisper_decoder(ckpt, dtype, device)
+        if fmt.quantized:
+            from specstream.errors import UnsupportedDtypeError
+
+            raise UnsupportedDtypeError(f"dtype {fmt.label} is not wired for the Whisper decoder yet; available "
+                                        f"for speech: float32, bfloat16")
+        return load_whisper_decoder(ckpt, fmt.name, device)
     cfg = ckpt.decoder_config()
     files = ckpt.weight_files()
     names = _tensor_names(files, _decoder_key)
@@ -287,28 +326,80 @@ def load_decoder(
         cfg = DecoderConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
     with torch.device("meta"):
         model = LlamaDecoder(cfg)
-    model.to_empty(device=device)
-    inv_freq, _ = cfg.rope.inv_freq(cfg.head_dim)
-    model.inv_freq = inv_freq.float().to(device)
-    # copy tensor by tensor into the allocated model: peak memory is the model plus one tensor, not twice the model
     own = model.state_dict()
     unexpected = [k for k in names if k not in own]
     missing = [k for k in own if k not in names and k != "inv_freq"
                and not (k == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if not missing and not unexpected:
-        _copy_tensors(files, names, own, device)
     if missing or unexpected:
         raise UnsupportedArchitectureError(
             f"{ckpt.path}: weights do not match a {cfg.model_type} decoder (missing {missing[:5]}, "
             f"unexpected {unexpected[:5]})"
         )
-    model.tie_weights()
-    model.to(parse_dtype(dtype))
+    if fmt.quantized:
+        _load_quantized(model, files, names, fmt, device)
+    else:
+        model.to_empty(device=device)
+        # copy tensor by tensor into the allocated model: peak memory is the model plus one tensor, not twice it
+        _copy_tensors(files, names, model.state_dict(), device)
+        model.tie_weights()
+        model.to(fmt.activation_dtype)
+    inv_freq, _ = cfg.rope.inv_freq(cfg.head_dim)
+    model.inv_freq = inv_freq.float().to(device)  # RoPE frequencies stay float32 at every precision
+    model.activation_dtype = fmt.activation_dtype
+    model.weight_format = fmt
     model.eval()
-    from specstream.kernels.linear import pack_linears
+    if not fmt.quantized:
+        from specstream.kernels.linear import pack_linears
 
-    pack_linears(model)  # CPU: oneDNN pre-packed weights (small-batch products without repacking)
+        pack_linears(model)  # CPU: oneDNN pre-packed weights (small-batch products without repacking)
     return model
+
+
+def _load_quantized(model, files: list[Path], names: dict[str, tuple[Path, str]], fmt, device) -> None:
+    """Fill the meta-device ``model`` with int8/int4 linear layers and embedding, quantized one tensor at a time
+    from ``files``; the other tensors (norms) in bfloat16."""
+    from safetensors import safe_open
+    from torch import nn
+
+    from specstream.kernels.quant import QuantEmbedding, quantize_weight
+
+    handles = {f: safe_open(str(f), framework="pt", device=str(device)) for f in files}
+
+    def read(name: str) -> torch.Tensor:
+        f, key = names[name]
+        return handles[f].get_tensor(key)
+
+    tied = model.config.tie_word_embeddings
+    with torch.no_grad():
+        for path, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                full = f"{path}.{child_name}" if path else child_name
+                if isinstance(child, nn.Linear) and not (full == "lm_head" and tied):
+                    bias = read(f"{full}.bias") if child.bias is not None else None
+                    setattr(module, child_name, quantize_weight(read(f"{full}.weight"), bias, fmt, rows=False))
+        table = quantize_weight(read("model.embed_tokens.weight"), None, fmt, rows=True)
+        model.model.embed_tokens = QuantEmbedding(table)
+        if tied:
+            model.lm_head = table
+        for module in model.modules():
+            if any(t.is_meta for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))):
+                module.to_empty(device=device, recurse=False)
+        own = model.state_dict()
+        for name in names:
+            target = own.get(name)
+            if target is not None and target.dtype.is_floating_point and target.numel() and _is_plain(model, name):
+                target.copy_(read(name))
+        for module in model.modules():
+            if not hasattr(module, "qweight") and not hasattr(module, "packed"):
+                for p in module.parameters(recurse=False):
+                    p.data = p.data.to(torch.bfloat16)
+    del handles
+
+
+def _is_plain(model, name: str) -> bool:
+    """True for a tensor of an unquantized module (norm weights)."""
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    return not hasattr(module, "qweight") and not hasattr(module, "packed") and not hasattr(module, "table")
 
 
 def check_same_tokenizer(target: Checkpoint, draft: Checkpoint) -> None:
