@@ -175,7 +175,9 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Te
     return (q.float() - 8.0) * s + z
 
 
-def _check(layer: nn.Module, reference: torch.Tensor, bias: torch.Tensor | None) -> None:
+def check_kernel(layer: nn.Module, reference: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Raise :class:`QuantKernelError` unless ``layer`` on a bf16 probe ``[3, K]`` equals the float32 product
+    with ``reference`` ``[N, K]`` within :data:`KERNEL_TOLERANCE` of the output's magnitude."""
     gen = torch.Generator().manual_seed(0)
     probe = torch.randn(3, reference.shape[1], generator=gen).to(device=reference.device, dtype=torch.bfloat16)
     want = F.linear(probe.float(), reference, None if bias is None else bias.float())
@@ -207,7 +209,7 @@ class Int8Linear(nn.Module):
         q, s = quantize_int8(weight)
         layer = cls(q, s, bias)
         if check:
-            _check(layer, q.float() * s.float()[:, None], bias)
+            check_kernel(layer, q.float() * s.float()[:, None], bias)
         return layer
 
     def dequantized(self) -> torch.Tensor:
@@ -289,7 +291,7 @@ class Int4Linear(nn.Module):
         n, k = q.shape
         layer = cls(_pack_int4(q), scales_and_zeros.contiguous(), bias, k, n, group_size)
         if check:
-            _check(layer, dequantize_int4(q, scales_and_zeros), bias)
+            check_kernel(layer, dequantize_int4(q, scales_and_zeros), bias)
         if rows:
             layer.enable_rows(q)
         return layer
@@ -326,10 +328,17 @@ class Int4Linear(nn.Module):
         return torch.where((where & 1).bool(), b >> 4, b & 15)
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weights ``[N, K]`` this layer multiplies with (needs :meth:`enable_rows` or N % 64 == 0
-        on the CPU)."""
-        if self.row_codes is None and self.out_features % _INT4_BLOCK_ROWS:
-            raise QuantKernelError("int4 layer without row access")
+        """The float32 weights ``[N, K]`` this layer multiplies with: exact from the codes when rows can be
+        gathered (:meth:`enable_rows`, or N % 64 == 0 on the CPU), else the kernel's product with the identity
+        (each weight rounded to bfloat16)."""
+        if self.row_codes is None and (self.out_features % _INT4_BLOCK_ROWS or self.packed.device.type != "cpu"):
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+            bias = self.bias
+            self.bias = None
+            try:
+                return self(eye).float().t().contiguous()
+            finally:
+                self.bias = bias
         q = self._codes(torch.arange(self.out_features, device=self.packed.device))
         return dequantize_int4(q, self.scales_and_zeros)
 
@@ -382,9 +391,17 @@ def quantize_linear(linear: nn.Linear, fmt: WeightFormat, rows: bool = False) ->
     return quantize_weight(w, b, fmt, rows)
 
 
+def int4_packable(out_features: int, in_features: int, group_size: int) -> bool:
+    """True when PyTorch's int4 packing takes a ``[out_features, in_features]`` weight (N % 16, K % group)."""
+    return out_features % 16 == 0 and in_features % group_size == 0
+
+
 def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None, fmt: WeightFormat,
                     rows: bool = False) -> nn.Module:
-    """A quantized linear layer of ``weight`` ``[N, K]`` (float) in ``fmt`` (int8 or int4), checked."""
+    """A quantized linear layer of ``weight`` ``[N, K]`` (float) in ``fmt`` (int8 or int4), checked.
+    An int4 weight the kernel cannot pack (:func:`int4_packable`) becomes int8 (the caller logs it)."""
+    if fmt.name == "int4" and not int4_packable(*weight.shape, fmt.group_size):
+        return Int8Linear.from_float(weight, bias)
     if fmt.name == "int8":
         return Int8Linear.from_float(weight, bias)
     if fmt.name == "int4":
@@ -411,7 +428,7 @@ def quantize_linears(module: nn.Module, fmt: WeightFormat | str, skip: tuple[str
         if name in skip:
             continue
         if isinstance(child, nn.Linear):
-            if fmt.name == "int4" and (child.in_features % fmt.group_size or child.out_features % 16):
+            if fmt.name == "int4" and not int4_packable(child.out_features, child.in_features, fmt.group_size):
                 continue
             setattr(module, name, quantize_linear(child, fmt))
             count += 1

