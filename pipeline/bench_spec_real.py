@@ -166,21 +166,96 @@ def run_hf(target: Path, draft: Path, ids: dict, loads: dict, configs: list[str]
 # -- ours ------------------------------------------------------------------------------------------------------
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or ``platform.processor()`` elsewhere."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def read_bandwidth(threads: int = 2, nbytes: int = 1 << 30, repeats: int = 3) -> float:
+    """Measured read bandwidth in bytes/s: the best of ``repeats`` torch sums over ``nbytes`` of float32 with
+    ``threads`` intra-op threads (what one decoding forward does to its weights)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(nbytes // 4)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+        return nbytes / best
+    finally:
+        torch.set_num_threads(old)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (``/proc/self/status`` VmRSS), 0 where unknown."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def parse_llama_bench(text: str) -> float:
+    """Tokens/s of a ``llama-bench -o json`` run's text-generation test (``n_gen > 0``, ``avg_ts``).
+
+    Raises:
+        ValueError: no such record in ``text``.
+    """
+    records = json.loads(text[text.index("["):])
+    for rec in records:
+        if rec.get("n_gen", 0) > 0 and rec.get("n_prompt", 0) == 0:
+            return float(rec["avg_ts"])
+    raise ValueError("llama-bench output has no text-generation (-p 0 -n N) record")
+
+
+def run_llama_bench(binary: Path, gguf_file: Path, new_tokens: int, threads: int = 2) -> float:
+    """Plain decoding tokens/s of llama.cpp's ``llama-bench`` on ``gguf_file`` (``-t threads -p 0 -n N``)."""
+    cmd = [str(binary), "-m", str(gguf_file), "-t", str(threads), "-p", "0", "-n", str(new_tokens), "-o", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
+    return parse_llama_bench(proc.stdout)
+
+
 def _engine(target: Path, draft: Path, tree: str | None, drafts: str | None, slots: int, max_len: int,
-            adaptive: bool = True):
+            adaptive: bool = True, dtype: str = "float32"):
     from specstream.stages.speculative.drafters.model import TreeSpec
     from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
 
     config = EngineConfig(num_slots=slots, max_len=max_len, tree=TreeSpec.parse(tree or "1"), adaptive=adaptive)
     return SpeculativeEngine.from_checkpoints(target, [draft] if drafts else [], ngram=drafts == "draft+ngram",
-                                              config=config)
+                                              config=config, dtype=dtype)
 
 
 def run_ours(name: str, target: Path, draft: Path, ids: dict, loads: dict, new_tokens: int,
-             max_len: int, log, adaptive: bool = True) -> dict:
+             max_len: int, log, adaptive: bool = True, dtype: str = "float32", bandwidth: float | None = None
+             ) -> dict:
+    from specstream.kernels.quant import weight_bytes
+
     tree, drafts = CONFIGS[name]
     slots = max(len(p) for p in loads.values())
-    engine = _engine(target, draft, tree, drafts, slots, max_len, adaptive)
+    engine = _engine(target, draft, tree, drafts, slots, max_len, adaptive, dtype)
+    target_bytes = weight_bytes(engine.executor.target)
+    draft_bytes = sum(weight_bytes(d.model) for d in engine.executor.drafters if hasattr(d, "model"))
+    memory = {"target_weight_bytes": target_bytes, "draft_weight_bytes": draft_bytes, "rss_bytes": rss_bytes()}
+    if bandwidth:
+        memory["no_spec_bound_tok_s"] = bandwidth / target_bytes  # one target forward per token, weights read once
+    log(f"{name} [{dtype}]: target {target_bytes / 2**30:.2f} GiB, drafts {draft_bytes / 2**30:.2f} GiB of weights, "
+        f"RSS {memory['rss_bytes'] / 2**30:.2f} GiB")
     speculate = drafts is not None
     engine.generate([ids[loads[next(iter(loads))][0]]], 2, speculate=speculate)  # warm-up
     per = {}
@@ -192,6 +267,7 @@ def run_ours(name: str, target: Path, draft: Path, ids: dict, loads: dict, new_t
         steps = sum(r.stats.target_steps for r in reqs)
         per[wname] = {"s": secs, "outputs": outs, "tau": sum(map(len, outs)) / max(1, steps),
                       "target_steps": steps}
+        per[wname].update(memory)
         log(f"{name} {wname}: {sum(map(len, outs)) / secs:.2f} tokens/s tau={per[wname]['tau']:.2f}")
     del engine
     gc.collect()
@@ -279,9 +355,26 @@ def run(args) -> dict:
             hf = run_hf(target, draft, ids, loads, hf_names, args.max_new_tokens, args.threads, eos, pad, Path(tmp))
         results["hf_load_s"] = hf["load_s"]
         results["configs"].update(hf["configs"])
-    for name in ours_names:
-        results["configs"][name] = run_ours(name, target, draft, ids, loads, args.max_new_tokens, max_len, log,
-                                            adaptive=not args.fixed_trees)
+    results["cpu"] = cpu_model()
+    results["read_bandwidth"] = read_bandwidth(args.threads)
+    log(f"CPU {results['cpu']}; read bandwidth {results['read_bandwidth'] / 1e9:.1f} GB/s ({args.threads} threads)")
+    dtypes = args.dtypes or ["float32"]
+    results["dtypes"] = dtypes
+    for dtype in dtypes:
+        for name in ours_names:
+            key = name if dtype == "float32" else f"{name}@{dtype}"
+            results["configs"][key] = run_ours(name, target, draft, ids, loads, args.max_new_tokens, max_len, log,
+                                               adaptive=not args.fixed_trees, dtype=dtype,
+                                               bandwidth=results["read_bandwidth"])
+    if args.llama_bench:
+        from specstream.stages.speculative.models.gguf import gguf_in_dir
+        from specstream.pipeline.models_fetch import fetch_model
+
+        gguf_file = gguf_in_dir(fetch_model(TARGET, show_progress=show))
+        tok_s = run_llama_bench(args.llama_bench, gguf_file, args.max_new_tokens, args.threads)
+        results["llama_bench"] = {"tok_s": tok_s, "file": gguf_file.name, "threads": args.threads}
+        log(f"llama.cpp llama-bench {gguf_file.name}: {tok_s:.2f} tokens/s (plain decode, -p 0 -n "
+            f"{args.max_new_tokens})")
     if args.profile_steps and not args.no_batch:
         batch = [ids[p] for p in loads[f"batch-{2 * len(names)}"]]
         results["host_time"] = host_time_per_step(target, draft, batch, args.profile_steps)
@@ -320,13 +413,25 @@ def markdown(results: dict) -> str:
     """The results as markdown tables (one per workload, then the host-time line)."""
     budget = "adaptive tree budget" if results.get("adaptive", True) else "fixed trees (adaptive budget off)"
     ref = results.get("reference") or "hf/greedy"
-    lines = [f"Real pair ({results['target']} target, {results['draft']} draft), {results['dtype']}, "
+    lines = [f"Real pair ({results['target']} target, {results['draft']} draft), "
+             f"{', '.join(results.get('dtypes', [results['dtype']]))}, "
              f"{results['threads']} threads, {results['new_tokens']} new tokens per request, {budget}, "
              f"{results['date']}.", ""]
+    if "cpu" in results:
+        lines += [f"CPU: {results['cpu']}; measured read bandwidth {results['read_bandwidth'] / 1e9:.1f} GB/s "
+                  f"(torch sum over 1 GiB, {results['threads']} threads).", ""]
+    if "llama_bench" in results:
+        lb = results["llama_bench"]
+        lines += [f"llama.cpp `llama-bench` on {lb['file']} ({lb['threads']} threads, plain decode): "
+                  f"{lb['tok_s']:.2f} tokens/s.", ""]
     for wname, prompts in results["workloads"].items():
         lines += [f"**{wname}** ({', '.join(prompts)})", "",
-                  f"| configuration | tokens/s | tau | vs ours/no-spec | vs HF assisted | identical to {ref} |",
-                  "|---|---|---|---|---|---|"]
+                  f"| configuration | tokens/s | tau | vs ours/no-spec | vs HF assisted | vs llama.cpp | "
+                  f"weights GiB (target+drafts) | bound tokens/s (no-spec) | RSS GiB | identical to {ref} |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        if "llama_bench" in results and len(prompts) == 1:
+            lines.append(f"| llama.cpp/plain | {results['llama_bench']['tok_s']:.2f} | – | – | – | 1.00x | – | – | – "
+                         f"| – |")
         for name, per in results["configs"].items():
             rec = per.get(wname)
             if rec is None:
@@ -337,8 +442,14 @@ def markdown(results: dict) -> str:
 
             tau = f"{rec['tau']:.2f}" if "tau" in rec else "–"
             same = {True: "yes", False: "**no**", None: "–"}[rec.get("identical")]
+            lb = results.get("llama_bench", {}).get("tok_s")
+            vs_lb = ratio(rec["tok_s"] / lb) if lb and len(prompts) == 1 else "–"
+            gib = (f"{(rec['target_weight_bytes'] + rec['draft_weight_bytes']) / 2**30:.2f}"
+                   if "target_weight_bytes" in rec else "–")
+            bound = f"{rec['no_spec_bound_tok_s']:.2f}" if "no_spec_bound_tok_s" in rec else "–"
+            rss = f"{rec['rss_bytes'] / 2**30:.2f}" if rec.get("rss_bytes") else "–"
             lines.append(f"| {name} | {rec['tok_s']:.2f} | {tau} | {ratio(rec['vs_no_spec'])} | "
-                         f"{ratio(rec['vs_hf_assisted'])} | {same} |")
+                         f"{ratio(rec['vs_hf_assisted'])} | {vs_lb} | {gib} | {bound} | {rss} | {same} |")
         lines.append("")
     host = results.get("host_time")
     if host:
@@ -423,6 +534,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--real: our engines draft the configured tree every step (adaptive budget off); "
                              "results go to bench_spec_real_fixed.*")
     parser.add_argument("--threads", type=int, default=2, help="--real: torch intra-op threads (default 2)")
+    parser.add_argument("--dtypes", type=lambda s: [x for x in s.split(",") if x], default=None,
+                        help="--real: weight precisions of our configurations, comma-separated (float32, bfloat16, "
+                             "int8, int4, int4-g64; default float32); each prints its weight bytes, bound and RSS")
+    parser.add_argument("--llama-bench", type=Path, default=None, metavar="PATH",
+                        help="--real: llama.cpp's llama-bench binary, run on the same target GGUF (2 threads, "
+                             "-p 0 -n N) as the anchor row")
     parser.add_argument("--profile-steps", type=int, default=8,
                         help="--real: decode steps profiled for the host time per step (0: none)")
     parser.add_argument("--no-progress", action="store_true", help="--real: no fetch/convert progress bars")

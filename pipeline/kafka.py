@@ -107,7 +107,15 @@ class KafkaSettings(BaseSettings):
     clip_pretrained: str | None = Field(None, description="local weights file of clip_model")
     num_slots: int = 8
     device: str = "cpu"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: str = Field("float32", description="weight precision: float32, bfloat16, int8, int4, int4-g64")
+    draft_dtype: str | None = Field(None, description="weight precision of the drafts (default: dtype)")
+
+    @field_validator("dtype", "draft_dtype")
+    @classmethod
+    def _weight_precision(cls, v: str | None) -> str | None:
+        from specstream.kernels.quant import parse_weight_format
+
+        return None if v is None else parse_weight_format(v).label  # ValueError names the precisions
 
     @field_validator("bootstrap")
     @classmethod

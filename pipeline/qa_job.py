@@ -532,8 +532,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ngram", action="store_true", help="no n-gram drafting over the prompt")
     p.add_argument("--concurrency", type=int, default=2, help="videos in flight (embedded)")
     p.add_argument("--num-slots", type=int, default=8, help="answers decoded together in one batch (default 8)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weight precision of the models (default float32)")
+    p.add_argument("--dtype", default="float32",
+                   help="weight precision of the VLM / text model: float32, bfloat16, int8, int4, int4-g64 "
+                        "(default float32)")
+    p.add_argument("--draft-dtype", default=None, help="weight precision of the drafts (default: --dtype)")
+    p.add_argument("--speech-dtype", default=None,
+                   help="weight precision of the Whisper model: float32 or bfloat16 (default: --dtype)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (default cpu)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="--broker: give up after this long without a "
                                                                   "result (default 600)")
@@ -557,7 +561,8 @@ def hub_config_from_args(args) -> Any:
     return HubConfig(vlm=target, vlm_drafts=drafts, vlm_name=name, text_model=args.text_model,
                      text_drafts=tuple(args.text_draft), speech_model=args.speech_model, clip_model=args.clip_model,
                      clip_pretrained=args.clip_pretrained, num_slots=args.num_slots, ngram=not args.no_ngram,
-                     dtype=args.dtype, device=args.device)
+                     dtype=args.dtype, draft_dtype=args.draft_dtype, speech_dtype=args.speech_dtype,
+                     device=args.device)
 
 
 def qa_main(argv: list[str]) -> int:
@@ -573,6 +578,11 @@ def qa_main(argv: list[str]) -> int:
             raise InvalidRequestError(f"{flag} must be >= 1, got {value}")
     if args.max_visual_tokens is not None and args.max_visual_tokens < 1:
         raise InvalidRequestError(f"--max-visual-tokens must be >= 1, got {args.max_visual_tokens}")
+    from specstream.stages.speculative.models.loader import weight_format
+
+    for value in (args.dtype, args.draft_dtype, args.speech_dtype):
+        if value is not None:
+            weight_format(value, args.device)  # UnsupportedDtypeError (exit 2) before anything loads
     if bool(args.clip_model) != bool(args.clip_pretrained):
         raise InvalidRequestError("--clip-model and --clip-pretrained go together (local weights; nothing is "
                                   "downloaded)")

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import FastAPI, File, Form, HTTPException, UploadFile, WebSocket
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 log = logging.getLogger("specstream.server")
@@ -84,6 +84,8 @@ class ServerSettings(BaseSettings):
         text_model, text_draft: a text model (and its draft) the OpenAI-compatible routes serve too (None: none).
         clip_model, clip_pretrained: open_clip architecture (or model-config JSON) and local weights: a chat
             ``video_url``'s frames are chosen by similarity to the message (None: spread over the scenes).
+        caption_dtype, speech_dtype: weight precision of the caption VLM (and its draft) and of Whisper
+            (``loader.weight_format``: float32, bfloat16, int8, int4, int4-g64; Whisper: float32, bfloat16).
         max_openai_requests: OpenAI-compatible requests in flight; more are answered 429.
         chat_video_frames: keyframes a chat ``video_url`` contributes, at most.
         speech_slots: KV cache slots of the Whisper runner (subtitle windows decoded at once).
@@ -137,6 +139,15 @@ class ServerSettings(BaseSettings):
     max_image_pixels: int = Field(50_000_000, ge=1)
     max_decoded_bytes: int = Field(1 << 30, ge=1)
     realtime_max_append_bytes: int = Field(128 * 1024, ge=1024)
+    caption_dtype: str = "float32"
+    speech_dtype: str = "float32"
+
+    @field_validator("caption_dtype", "speech_dtype")
+    @classmethod
+    def _weight_precision(cls, v: str) -> str:
+        from specstream.kernels.quant import parse_weight_format
+
+        return parse_weight_format(v).label  # ValueError names the precisions
 
 
 class CaptionResponse(BaseModel):
@@ -549,7 +560,7 @@ class AppState:
             if self.speech is None:
                 s = self.settings
                 self.speech = await asyncio.to_thread(
-                    lambda: SpeechService(_load_speech_model(s.speech_model), num_slots=s.speech_slots,
+                    lambda: SpeechService(_load_speech_model(s.speech_model, s.speech_dtype), num_slots=s.speech_slots,
                                           loop=self.loop))
             await self.speech.start()
             self.ready = True
@@ -592,7 +603,8 @@ class AppState:
                     elif self.settings.caption_draft:
                         drafts = [self.settings.caption_draft]
                     self._captioner = Captioner(target, drafts, TreeSpec.parse("1,1,3,1,1,1,1,1"), temporal=True,
-                                                visual_aware=True, num_slots=8, loop=self.loop)
+                                                visual_aware=True, num_slots=8, loop=self.loop,
+                                                dtype=self.settings.caption_dtype)
                 except Exception as exc:
                     log.exception("caption model failed to load")
                     self.loop.mark_failed("vlm", f"{type(exc).__name__}: {exc}")
@@ -601,10 +613,10 @@ class AppState:
             return self._captioner
 
 
-def _load_speech_model(path: str | None):
+def _load_speech_model(path: str | None, dtype: str = "float32"):
     from specstream.stages.speech import SpeechModel
 
-    return SpeechModel.load(path)
+    return SpeechModel.load(path, dtype)
 
 
 SUBPROTOCOL = "specstream"  # the WebSocket subprotocol the server selects when a client offers it
@@ -1000,7 +1012,8 @@ SERVE_FLAGS = {"host": "--host", "port": "--port", "api_keys": "--api-key", "all
                "caption_draft": "--caption-draft", "speech_model": "--speech-model", "text_model": "--text-model",
                "text_draft": "--text-draft", "clip_model": "--clip-model", "clip_pretrained": "--clip-pretrained",
                "allowed_media_domains": "--allowed-media-domains", "media_fetch_timeout_s": "--media-fetch-timeout-s",
-               "max_image_pixels": "--max-image-pixels", "max_decoded_bytes": "--max-decoded-bytes"}
+               "max_image_pixels": "--max-image-pixels", "max_decoded_bytes": "--max-decoded-bytes",
+               "caption_dtype": "--caption-dtype", "speech_dtype": "--speech-dtype"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1047,6 +1060,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-decoded-bytes", type=int, default=None,
                         help="decoded bytes of one image (all frames) or video frame, at most (default 1 GiB; "
                              "SPECSTREAM_MAX_DECODED_BYTES)")
+    parser.add_argument("--caption-dtype", default=None,
+                        help="weight precision of the caption VLM and its draft: float32, bfloat16, int8, int4, "
+                             "int4-g64 (SPECSTREAM_CAPTION_DTYPE; default float32)")
+    parser.add_argument("--speech-dtype", default=None,
+                        help="weight precision of Whisper: float32 or bfloat16 (SPECSTREAM_SPEECH_DTYPE)")
     parser.add_argument("--log-level", default="info",
                         help="uvicorn log level: debug, info, warning, error (default info)")
     return parser
@@ -1069,7 +1087,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                          ("clip_model", args.clip_model), ("clip_pretrained", args.clip_pretrained),
                          ("allowed_media_domains", args.allowed_media_domains),
                          ("media_fetch_timeout_s", args.media_fetch_timeout_s),
-                         ("max_image_pixels", args.max_image_pixels), ("max_decoded_bytes", args.max_decoded_bytes)):
+                         ("max_image_pixels", args.max_image_pixels), ("max_decoded_bytes", args.max_decoded_bytes),
+                         ("caption_dtype", args.caption_dtype), ("speech_dtype", args.speech_dtype)):
         if value is not None:
             over[field] = value
     try:

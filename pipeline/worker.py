@@ -337,7 +337,7 @@ def _build_hub(s: KafkaSettings, captioner=None):
     return ModelHub(HubConfig(vlm=target, vlm_drafts=drafts, vlm_name=name, text_model=s.text_model,
                               text_drafts=tuple(s.text_draft), speech_model=s.speech_model, clip_model=s.clip_model,
                               clip_pretrained=s.clip_pretrained, num_slots=s.num_slots, dtype=s.dtype,
-                              device=s.device),
+                              draft_dtype=s.draft_dtype, device=s.device),
                     loop=captioner.loop if captioner is not None else None, captioner=captioner)
 
 

@@ -76,8 +76,10 @@ def _add_generate(sub) -> None:
                    help="draft tree: widths per depth (SpecInfer default 1,1,3,1,1,1,1,1) or dynamic:NODES")
     p.add_argument("--no-speculation", action="store_true", help="one token per target step, same runtime")
     p.add_argument("--no-adaptive", action="store_true", help="always ask for the full tree")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weight precision of target and drafts (default float32)")
+    p.add_argument("--dtype", default="float32",
+                   help="target weight precision: float32, bfloat16, int8 (per channel), int4 (groups of 32), "
+                        "int4-g64; int8/int4 compute in bfloat16 (default float32)")
+    p.add_argument("--draft-dtype", default=None, help="draft weight precision (default: --dtype)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--max-len", type=_int_at_least("--max-len", 2), default=2048,
                    help="context tokens per request slot")
@@ -128,6 +130,10 @@ def cmd_generate(args) -> int:
     if not prompts and args.prompt is None:
         print("error: give --prompt, --prompt-ids or --prompt-ids-file", file=sys.stderr)
         return EXIT_INPUT_ERROR
+    from specstream.stages.speculative.models.loader import weight_format
+
+    weight_format(args.dtype, args.device)  # UnsupportedDtypeError (exit 2) before any model loads
+    weight_format(args.draft_dtype or args.dtype, args.device)
     try:
         tree = TreeSpec.parse(args.tree)
     except ValueError as exc:
@@ -150,10 +156,10 @@ def cmd_generate(args) -> int:
     show = False if args.no_progress else None
     from specstream.stages.speculative.models.loader import resolve_checkpoint
 
-    target_ckpt = resolve_checkpoint(target, show_progress=show)
-    drafts = [resolve_checkpoint(d, show_progress=show).path for d in drafts]
+    target_ckpt = resolve_checkpoint(target, show_progress=show, dtype=args.dtype)
+    drafts = [resolve_checkpoint(d, show_progress=show, dtype=args.draft_dtype or args.dtype).path for d in drafts]
     engine = SpeculativeEngine.from_checkpoints(target_ckpt.path, drafts, ngram=ngram, config=config,
-                                                dtype=args.dtype, device=args.device)
+                                                dtype=args.dtype, device=args.device, draft_dtype=args.draft_dtype)
     text_request, detok = None, None
     if args.prompt is not None:
         if engine.tokenizer is None:

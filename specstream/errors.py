@@ -256,6 +256,14 @@ class InsufficientSpaceError(SpecstreamError):
     code = "insufficient_space"
 
 
+class UnsupportedDtypeError(InvalidRequestError):
+    """A weight precision (``--dtype``, ``--draft-dtype``) that is unknown, or that this device cannot run (int4
+    without PyTorch's packed int4 kernel, bfloat16 without hardware support). The message names the precisions
+    that are available here; nothing falls back to float32 silently."""
+
+    code = "unsupported_dtype"
+
+
 # --- structured output ------------------------------------------------------------------------------------------
 
 

@@ -86,7 +86,9 @@ class HubConfig:
     max_len: int = 4096
     tree: str = "1,1,3,1,1,1,1,1"
     ngram: bool = True
-    dtype: str = "float32"
+    dtype: str = "float32"  # weight precision of the VLM and text model (loader.weight_format)
+    draft_dtype: str | None = None  # of their drafts (None: dtype)
+    speech_dtype: str | None = None  # of the Whisper model (None: dtype)
     device: str = "cpu"
 
     def name_of(self, kind: str) -> str | None:
@@ -499,7 +501,7 @@ class ModelHub:
         for i, d in enumerate(c.text_drafts):
             dk = resolve_checkpoint(d)
             check_same_tokenizer(ckpt, dk)
-            drafters.append(ModelDrafter(load_decoder(dk, c.dtype, c.device), c.num_slots, max_len, tree,
+            drafters.append(ModelDrafter(load_decoder(dk, c.draft_dtype or c.dtype, c.device), c.num_slots, max_len, tree,
                                          vocab_limit=vocab_limit, target_vocab=dec.config.vocab_size,
                                          name=f"draft{i}"))
         if c.ngram:
@@ -669,7 +671,8 @@ class ModelHub:
                     from specstream.stages.speech import SpeechModel
 
                     path = self.config.speech_model
-                    self._speech = await asyncio.to_thread(SpeechModel.load, path, self.config.dtype,
+                    self._speech = await asyncio.to_thread(SpeechModel.load, path,
+                                                           self.config.speech_dtype or self.config.dtype,
                                                            self.config.device)
         if self._speech.device_loop is None:
             async with self._locks["speech"]:

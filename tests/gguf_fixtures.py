@@ -92,7 +92,7 @@ def write_gguf(path: Path, arch: str, state: dict[str, np.ndarray], heads: int =
                extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
     """Write ``state`` as a GGUF file of ``arch`` (``llama`` permutes q/k as llama.cpp does).
 
-    ``quantize``: ``F32``, ``F16`` or ``Q8_0`` for the 2-D weights (norms and biases stay F32).
+    ``quantize``: ``F32``, ``F16``, ``Q8_0`` or ``Q4_0`` for the 2-D weights (norms and biases stay F32).
     """
     import gguf
 
@@ -124,7 +124,7 @@ def write_gguf(path: Path, arch: str, state: dict[str, np.ndarray], heads: int =
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML)
     qtype = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
-             "Q8_0": gguf.GGMLQuantizationType.Q8_0}[quantize]
+             "Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_0": gguf.GGMLQuantizationType.Q4_0}[quantize]
     items = list(state.items())
     for name, value in items:
         data = value

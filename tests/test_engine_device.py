@@ -42,10 +42,11 @@ class HostSyncs(TorchFunctionMode):
         return sum(self.counts.values())
 
 
-def _engine(tiny, drafts=("noisy",), ngram=False, tree="1,1,3,1", **kw):
+def _engine(tiny, drafts=("noisy",), ngram=False, tree="1,1,3,1", dtype="float32", **kw):
     paths = {"same": tiny.same, "noisy": tiny.noisy, "random": tiny.random}
     cfg = EngineConfig(**{"num_slots": 8, "max_len": 128, "tree": TreeSpec.parse(tree), "adaptive": False, **kw})
-    return SpeculativeEngine.from_checkpoints(tiny.target, [paths[d] for d in drafts], ngram=ngram, config=cfg)
+    return SpeculativeEngine.from_checkpoints(tiny.target, [paths[d] for d in drafts], ngram=ngram, config=cfg,
+                                              dtype=dtype)
 
 
 SYNC_CASES = {
@@ -54,13 +55,17 @@ SYNC_CASES = {
     "sampled-merged": (("noisy", "same"), True, "3,2,1", "sample"),
     "dynamic": (("noisy",), False, "dynamic:12", "greedy"),
     "no-speculation": ((), False, "1", "greedy"),
+    # the quantized paths (kernels/quant.py): the same budget of host syncs
+    "int8-greedy-merged": (("noisy", "same"), True, "2,1,2", "greedy", "int8"),
+    "int4-sampled-merged": (("noisy", "same"), True, "3,2,1", "sample", "int4"),
+    "bf16-greedy-tree": (("noisy",), False, "1,1,3,1", "greedy", "bfloat16"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(SYNC_CASES))
 def test_host_syncs_per_step_at_most_one_per_draft_depth_and_one_per_verify(tiny, name):
-    drafts, ngram, tree, mode = SYNC_CASES[name]
-    eng = _engine(tiny, drafts, ngram, tree)
+    drafts, ngram, tree, mode, *dtype = SYNC_CASES[name]
+    eng = _engine(tiny, drafts, ngram, tree, dtype=(dtype or ["float32"])[0])
     spec = TreeSpec.parse(tree)
     for i, p in enumerate(PROMPTS):
         eng.add_request(eng.make_request(p, 20, SamplingParams(mode, temperature=0.9, seed=i)))

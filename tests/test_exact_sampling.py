@@ -82,9 +82,10 @@ def intervals(*qs) -> list[tuple[float, float]]:
     return [((a + b) / 2, b - a) for a, b in zip(cuts, cuts[1:]) if b - a > 1e-12]
 
 
-def build_engine(lms, drafts: list[tuple[str, str]], ngram: bool = False) -> SpeculativeEngine:
-    target = load_decoder(lms["p"])
-    drafters = [ModelDrafter(load_decoder(lms[model]), 1, 32, TreeSpec.parse(tree), V, V, name=f"draft-{i}")
+def build_engine(lms, drafts: list[tuple[str, str]], ngram: bool = False, dtype: str = "float32"
+                 ) -> SpeculativeEngine:
+    target = load_decoder(lms["p"], dtype)
+    drafters = [ModelDrafter(load_decoder(lms[model], dtype), 1, 32, TreeSpec.parse(tree), V, V, name=f"draft-{i}")
                 for i, (model, tree) in enumerate(drafts)]
     if ngram:
         drafters.append(NgramDrafter(max_ngram=2, max_branches=1, max_depth=2))
@@ -168,9 +169,13 @@ def enumerate_step(engine, qs, budget, depth, processors=lambda: ()):
 
 
 def target_p(engine) -> np.ndarray:
+    return model_p(engine.target)
+
+
+def model_p(model) -> np.ndarray:
+    """The next-token distribution (float64) of a constant LM after :data:`PROMPT`, from its own logits."""
     from specstream.stages.speculative.models.llama import ForwardBatch
 
-    model = engine.target
     cache = model.new_cache(1, 16)
     n = len(PROMPT)
     batch = ForwardBatch(torch.tensor([0]), torch.tensor([PROMPT]), torch.arange(n)[None], torch.arange(n)[None],
@@ -438,3 +443,29 @@ def test_enumerated_first_tokens_follow_the_constrained_target(lms, name):
     assert err < 2e-6, f"{name}: max error {err:.2e} over the first two tokens"
     assert sum(want.values()) == pytest.approx(1.0)
     assert (forced > 0) == (gname == "forced")  # the grammar drafter's forced "a" was merged in
+
+
+BF16_CASES = ["width2-cut", "width3-level2-cut", "merge-sampled-ngram"]
+
+
+@pytest.mark.parametrize("name", BF16_CASES)
+def test_enumerated_first_tokens_equal_the_target_at_bf16_logits(lms, name):
+    """The same enumeration with the models at bfloat16 (bf16 activations and logits rounded to bf16 before the
+    float32 cast): sampling follows the distribution of the model as it runs, whatever its precision. The
+    draws' intervals come from the drafts' own bf16 distributions."""
+    drafts, ngram, budget, depth, _ = CASES[name]
+    engine = build_engine(lms, drafts, ngram, dtype="bfloat16")
+    assert engine.target.dtype == torch.bfloat16
+    p = target_p(engine)
+    assert np.allclose(p, P, atol=2e-2) and not np.allclose(p, P, atol=1e-7)  # really another distribution
+    qs = [model_p(d.model) for d in engine.executor.drafters if isinstance(d, ModelDrafter)]
+    total = defaultdict(float)
+    mass = 0.0
+    for tree, prob in enumerate_step(engine, qs, budget, depth):
+        mass += prob
+        for seq, pr in exact_mss(tree, p).items():
+            total[seq] += prob * pr
+    assert mass == pytest.approx(1.0, abs=1e-12)
+    want = {s: p[s[0]] * p[s[1]] for s in itertools.product(range(V), repeat=2)}
+    err = max(abs(total.get(s, 0.0) - w) for s, w in want.items())
+    assert err < 2e-6, f"{name} at bf16: max error {err:.2e} over the first two tokens"

@@ -261,3 +261,32 @@ def test_greedy_output_equals_hf(hf, models, config):
         assert steps == committed
     else:
         assert steps < committed  # speculation committed more than one token per target step somewhere
+
+
+QUANT_PROMPTS = {"code": 'def merge_sort(items):\n    """Return a new list with the items in ascending order."""\n',
+                 "prose": "In video compression, a keyframe is"}
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_greedy_speculative_equals_same_dtype_without_speculation(real_pair, real_cache, monkeypatch,
+                                                                            dtype):
+    """At int8 and int4 (target and draft), greedy speculative decoding of the real pair equals the same int8/int4
+    target decoding alone, token for token: code and prose prompts, 16 tokens, one batched run each."""
+    from specstream.stages.speculative.drafters.model import TreeSpec
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+    monkeypatch.setenv("SPECSTREAM_CACHE", str(real_cache))  # the per-dtype conversions live beside the files
+    target, draft = (next(real_pair[m].glob("*.gguf")) for m in (TARGET, DRAFT))
+    cfg = EngineConfig(num_slots=2, max_len=256, tree=TreeSpec.parse("1,1,3,1,1"), adaptive=False)
+    outputs = {}
+    for speculate in (False, True):
+        eng = SpeculativeEngine.from_checkpoints(target, [draft] if speculate else [], config=cfg, dtype=dtype)
+        prompts = [eng.tokenizer.encode(text).ids for text in QUANT_PROMPTS.values()]
+        reqs = eng.generate(prompts, NEW_TOKENS)
+        outputs[speculate] = [r.output_ids for r in reqs]
+        if speculate:
+            assert sum(r.stats.target_steps for r in reqs) < 2 * NEW_TOKENS  # the draft was accepted
+        del eng, reqs
+        gc.collect()
+    assert outputs[True] == outputs[False]
+    assert all(len(o) == NEW_TOKENS or o[-1] in (IM_END, ENDOFTEXT) for o in outputs[False])

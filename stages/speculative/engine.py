@@ -125,18 +125,21 @@ class SpeculativeEngine:
         (default: ``dtype``) may be lower than the target's: a draft's precision changes how often its tokens
         are accepted, never what is committed.
 
+        ``dtype`` / ``draft_dtype``: weight precision (``loader.weight_format``): float32, bfloat16, int8, int4,
+        int4-g64; greedy output equals this engine at the same precision without speculation.
+
         Raises:
-            CheckpointNotFoundError, UnsupportedArchitectureError, TokenizerMismatchError.
+            CheckpointNotFoundError, UnsupportedArchitectureError, TokenizerMismatchError, UnsupportedDtypeError.
         """
         config = config or EngineConfig()
-        tckpt = resolve_checkpoint(target)
+        tckpt = resolve_checkpoint(target, dtype=str(dtype))
         tmodel = load_decoder(tckpt, dtype, device)
         tokenizer = tckpt.tokenizer
         vocab_limit = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer else tmodel.config.vocab_size
         max_len = min(config.max_len, tmodel.config.max_position_embeddings)
         drafters: list[Drafter] = []
         for i, d in enumerate(drafts):
-            dckpt = resolve_checkpoint(d)
+            dckpt = resolve_checkpoint(d, dtype=str(draft_dtype or dtype))
             check_same_tokenizer(tckpt, dckpt)
             dmodel = load_decoder(dckpt, draft_dtype or dtype, device)
             drafters.append(ModelDrafter(dmodel, config.num_slots, max_len, config.tree,

@@ -325,6 +325,168 @@ def dequantized_tensors(model: GgufModel):
         yield info, np.ascontiguousarray(values)
 
 
+# -- quantized conversion (int8 / int4 checkpoints, kernels/quant.py) ---------------------------------------------
+
+#: marker file of a quantized converted checkpoint: {"dtype": label, "fingerprint": ..., "tensors": {name: how}}
+QUANTIZED_MARKER = "QUANTIZED.json"
+
+
+def int4_from_blocks(raw, qtype: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Int4 group-32 codes of a Q4_0 or Q4_K tensor read from its own blocks (no float32 copy of the tensor):
+    ``(codes [N, K] uint8 in 0..15, scales_and_zeros [K / 32, N, 2] float32)`` in the convention of
+    PyTorch's int4 kernels, ``w = (q - 8) * scale + zero``. None for other types.
+
+    - Q4_0 (blocks of 32: fp16 ``d``, ``w = d * (q - 8)``): scale ``d``, zero 0;
+    - Q4_K (super-blocks of 256 = 8 sub-blocks of 32, ``w = d * sc_j * q - dmin * m_j``, 6-bit ``sc``/``m``):
+      scale ``d * sc_j``, zero ``8 * d * sc_j - dmin * m_j``.
+
+    The codes are llama.cpp's own; the result is exact up to the bfloat16 rounding of scale and zero (relative
+    2^-9) when the caller stores them in bfloat16.
+    """
+    from gguf.quants import Q4_K
+
+    n, k = shape
+    data = np.asarray(raw).reshape(-1).view(np.uint8)
+    if qtype == "Q4_0":
+        blocks = data.reshape(-1, 18)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0]
+        qs = blocks[:, 2:]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=1)  # element j: low nibble j, element j+16: high nibble
+        scale, zero = d, np.zeros_like(d)
+    elif qtype == "Q4_K":
+        blocks = data.reshape(-1, 144)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        codes = (qs & 15).reshape(-1, 256)  # chunk i: low nibbles sub-block 2i, high nibbles 2i + 1
+        scale = (d * sc.astype(np.float32)).reshape(-1)
+        zero = 8.0 * scale - (dmin * m.astype(np.float32)).reshape(-1)
+    else:
+        return None
+    codes = codes.reshape(n, k).astype(np.uint8)
+    sz = np.stack([scale.reshape(n, k // 32).T, zero.reshape(n, k // 32).T], axis=-1)
+    return codes, np.ascontiguousarray(sz)
+
+
+def _raw_tensors(model: GgufModel):
+    from gguf import GGUFReader
+
+    reader = model.reader if model.reader is not None else GGUFReader(model.path)
+    return {t.name: t for t in reader.tensors}
+
+
+def _is_linear_weight(info: GgufTensor) -> bool:
+    return info.hf_name.endswith(".weight") and len(info.shape) == 2
+
+
+def convert_gguf_quantized(src: str | os.PathLike, dst: str | os.PathLike, label: str,
+                           show_progress: bool | None = None) -> Path:
+    """Convert the GGUF file ``src`` into a quantized checkpoint directory ``dst`` for weight format ``label``
+    (``int8``, ``int4``, ``int4-g64``): each 2-D weight becomes ``NAME.int8`` + ``NAME.scales`` or ``NAME.int4``
+    (row-major nibbles, ``[N, K / 2]`` uint8, even column low) + ``NAME.scales_and_zeros``; norms and biases stay
+    float32. Packing into the kernels' layout happens at load time (it is the machine's).
+
+    From the file's own blocks where that is exact: Q4_0 / Q4_K -> int4 groups of 32 (:func:`int4_from_blocks`).
+    Q8_0 -> int8 is not: its scales are per block of 32, int8 here is per output channel, so such tensors (and
+    every other type: Q6_K, Q5_*, F16, F32) are de-quantized one tensor at a time and re-quantized, with a log
+    line per type. ``QUANTIZED.json`` records, per tensor, which way it went.
+
+    Raises:
+        CheckpointNotFoundError, UnsupportedArchitectureError, InsufficientSpaceError.
+    """
+    import logging
+
+    import torch
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    from specstream.kernels.quant import int4_packable, parse_weight_format, quantize_int4, quantize_int8
+
+    log = logging.getLogger("specstream.gguf")
+    fmt = parse_weight_format(label)
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    model = read_gguf(src)
+    _check_space(dst.parent, model.float32_bytes // 4 + SPACE_MARGIN)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+    heads, kv_heads = model.config["num_attention_heads"], model.config["num_key_value_heads"]
+    raw_by_name = _raw_tensors(model)
+    how: dict[str, str] = {}
+    logged: set[str] = set()
+    try:
+        out: dict[str, torch.Tensor] = {}
+        for info in model.tensors:
+            raw = raw_by_name[info.gguf_name]
+            qtype = raw.tensor_type.name
+            rows = None
+            if model.architecture == "llama" and ".attn_q." in info.gguf_name:
+                rows = heads
+            elif model.architecture == "llama" and ".attn_k." in info.gguf_name:
+                rows = kv_heads
+            direct = None
+            if _is_linear_weight(info) and fmt.name == "int4" and fmt.group_size == 32:
+                direct = int4_from_blocks(raw.data, qtype, info.shape)
+            if direct is not None:
+                codes, sz = direct
+                if rows is not None:
+                    codes = _unpermute(codes, rows)
+                    sz = np.ascontiguousarray(_unpermute(sz.swapaxes(0, 1), rows).swapaxes(0, 1))
+                q = torch.from_numpy(np.ascontiguousarray(codes))
+                out[info.hf_name + ".int4"] = (q[:, ::2] | q[:, 1::2] << 4).contiguous()
+                out[info.hf_name + ".scales_and_zeros"] = torch.from_numpy(sz).to(torch.bfloat16)
+                how[info.hf_name] = f"{qtype} blocks -> int4 g32"
+                continue
+            values = np.asarray(dequantize(raw.data, raw.tensor_type), dtype=np.float32).reshape(info.shape)
+            if rows is not None:
+                values = _unpermute(values, rows)
+            w = torch.from_numpy(np.array(values, dtype=np.float32, order="C"))
+            if not _is_linear_weight(info):
+                out[info.hf_name] = w
+                how[info.hf_name] = f"{qtype} -> float32"
+                continue
+            if qtype not in logged:
+                logged.add(qtype)
+                log.info("%s: %s tensors de-quantized one at a time and re-quantized to %s%s", src.name, qtype,
+                         fmt.label, " (Q8_0's per-block scales are not per-channel int8)" if qtype == "Q8_0" else "")
+            packable = int4_packable(*info.shape, fmt.group_size) if fmt.name == "int4" else False
+            if fmt.name == "int8" or not packable:  # int4 the kernel cannot pack (N % 16, K % group): int8
+                q8, s8 = quantize_int8(w)
+                out[info.hf_name + ".int8"], out[info.hf_name + ".scales"] = q8, s8
+                if fmt.name == "int4":
+                    how[info.hf_name] = f"{qtype} de-quantized -> int8 (shape not packable as {fmt.label})"
+                    continue
+            else:
+                q4, sz4 = quantize_int4(w, fmt.group_size)
+                out[info.hf_name + ".int4"] = (q4[:, ::2] | q4[:, 1::2] << 4).contiguous()
+                out[info.hf_name + ".scales_and_zeros"] = sz4
+            how[info.hf_name] = f"{qtype} de-quantized -> {fmt.label}"
+            del w, values
+        save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": "gguf"})
+        del out
+        (tmp / "config.json").write_text(json.dumps(model.config, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(model.generation_config, indent=2))
+        _write_tokenizer(model, tmp)
+        (tmp / QUANTIZED_MARKER).write_text(json.dumps({
+            "dtype": fmt.label, "source": str(src.resolve()), "fingerprint": fingerprint(src),
+            "seconds": round(time.perf_counter() - t0, 1), "tensors": how}, indent=2))
+        st = src.resolve().stat()
+        (tmp / "CONVERTED_FROM").write_text(json.dumps({
+            "source": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "fingerprint": fingerprint(src), "dtype": fmt.label, "converter_version": CONVERTER_VERSION}, indent=2))
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
 def fingerprint(path: str | os.PathLike) -> str:
     """16 hex digits naming a file's conversion: resolved path, size, modification time, converter version."""
     p = Path(path).resolve()
@@ -441,17 +603,30 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, show_progress: 
     return dst
 
 
-def _converted_ok(folder: Path, fp: str) -> bool:
+def _converted_ok(folder: Path, fp: str, label: str = "float32") -> bool:
     marker = folder / "CONVERTED_FROM"
     try:
-        return json.loads(marker.read_text()).get("fingerprint") == fp and (folder / "config.json").exists()
+        info = json.loads(marker.read_text())
+        return (info.get("fingerprint") == fp and info.get("dtype", "float32") == label
+                and (folder / "config.json").exists())
     except (OSError, ValueError):
         return False
 
 
-def converted_gguf_dir(src: str | os.PathLike, show_progress: bool | None = None) -> Path:
-    """The converted checkpoint of the GGUF file ``src``, converting it on first use (and when the file
-    changed); other conversions of the same path are deleted.
+def cache_key(src: str | os.PathLike, label: str = "float32") -> str:
+    """The cache folder name of ``src`` converted for weight format ``label``: ``<stem>-<fingerprint>`` for
+    float32 (the de-quantized checkpoint, also what bfloat16 loads), ``<stem>-<fingerprint>-<label>`` for the
+    quantized ones; a conversion for one dtype is never used for another."""
+    p = Path(src).expanduser()
+    base = f"{p.stem}-{fingerprint(p)}"
+    return base if label in ("float32", "bfloat16") else f"{base}-{label}"
+
+
+def converted_gguf_dir(src: str | os.PathLike, show_progress: bool | None = None, dtype: str = "float32") -> Path:
+    """The converted checkpoint of the GGUF file ``src`` for weight format ``dtype`` (float32 and bfloat16
+    share the de-quantized float32 one; int8 / int4 have their own, :func:`convert_gguf_quantized`),
+    converting it on first use (and when the file changed); other conversions of the same path and dtype are
+    deleted.
 
     Raises:
         CheckpointNotFoundError, UnsupportedArchitectureError, InsufficientSpaceError.
@@ -462,20 +637,24 @@ def converted_gguf_dir(src: str | os.PathLike, show_progress: bool | None = None
     if not src.is_file():
         raise CheckpointNotFoundError(f"GGUF file {src} does not exist")
     fp = fingerprint(src)
+    label = "float32" if dtype in ("float32", "bfloat16") else dtype
     root = cache_root()
-    dst = root / f"{src.stem}-{fp}"
-    if _converted_ok(dst, fp):
+    dst = root / cache_key(src, label)
+    if _converted_ok(dst, fp, label):
         return dst
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f".{src.stem}.lock")):
-        if _converted_ok(dst, fp):  # another process converted it while we waited
+        if _converted_ok(dst, fp, label):  # another process converted it while we waited
             return dst
-        _remove_stale(root, src.resolve(), keep=dst)
-        convert_gguf(src, dst, show_progress)
+        _remove_stale(root, src.resolve(), keep=dst, label=label)
+        if label == "float32":
+            convert_gguf(src, dst, show_progress)
+        else:
+            convert_gguf_quantized(src, dst, label, show_progress)
     return dst
 
 
-def _remove_stale(root: Path, source: Path, keep: Path) -> None:
+def _remove_stale(root: Path, source: Path, keep: Path, label: str = "float32") -> None:
     """Delete earlier conversions of ``source`` (another size or mtime) and partial ones left by a killed run."""
     for folder in root.iterdir():
         if folder == keep or not folder.is_dir():
@@ -487,7 +666,8 @@ def _remove_stale(root: Path, source: Path, keep: Path) -> None:
             continue
         marker = folder / "CONVERTED_FROM"
         try:
-            if json.loads(marker.read_text()).get("source") == str(source):
+            info = json.loads(marker.read_text())
+            if info.get("source") == str(source) and info.get("dtype", "float32") == label:
                 shutil.rmtree(folder, ignore_errors=True)
         except (OSError, ValueError):
             continue

@@ -101,7 +101,15 @@ class Attention(nn.Module):
         cache.write(self.layer, batch.slots, batch.write_index, k, v)
         keys, values = cache.read(self.layer, batch.read_slots, key_len)
         want = self.layer in batch.attention_layers
-        out, probs = tree_attention(q, keys, values, batch.attn_bias, self.head_dim**-0.5, return_probs=want)
+        if q.dtype == torch.bfloat16:
+            # bfloat16 activations: attention in float32, so a row's result does not depend on how many rows
+            # (tree nodes) share the call; bf16 kernels block differently by query count and the output
+            # rounding turns that into different tokens (speculative != plain decoding at the same weights)
+            out, probs = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias.float(),
+                                        self.head_dim**-0.5, return_probs=want)
+            out = out.to(torch.bfloat16)
+        else:
+            out, probs = tree_attention(q, keys, values, batch.attn_bias, self.head_dim**-0.5, return_probs=want)
         out = out.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim)
         return self.o_proj(out), probs
 
@@ -159,13 +167,17 @@ class LlamaDecoder(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    #: activations and KV cache dtype when set by the loader (bfloat16 for int8/int4 weights)
+    activation_dtype: torch.dtype | None = None
+
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """Dtype of activations and the KV cache (the weights' for float weights, bfloat16 for int8/int4)."""
+        return self.activation_dtype or self.model.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         cfg = self.config
