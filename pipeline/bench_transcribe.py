@@ -149,7 +149,9 @@ def _faster_whisper(sm, compute_type: str, threads: int):
 
 
 def bench_transcribe_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="specstream bench transcribe", description=__doc__,
+    from specstream.helptext import doc_help
+
+    parser = argparse.ArgumentParser(prog="specstream bench transcribe", description=doc_help(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny.en,whisper-base", help="comma list (tiny.en, whisper-base, dirs)")
     parser.add_argument("--recordings", default="espeak,bulletin", help="comma list: espeak, bulletin")
@@ -159,7 +161,8 @@ def bench_transcribe_main(argv: list[str]) -> int:
     parser.add_argument("--hop-s", type=float, default=1.0, help="audio between live passes (s)")
     parser.add_argument("--pass-window-s", type=float, default=10.0, help="audio per live pass (s)")
     parser.add_argument("--no-passes", action="store_true", help="skip the live-pass part")
-    parser.add_argument("--no-faster-whisper", action="store_true")
+    parser.add_argument("--no-faster-whisper", action="store_true",
+                        help="skip the faster-whisper configurations (ours only)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny.en, 3 sentences, one round, no passes")
     parser.add_argument("--out", type=Path, default=None, help="directory for bench_transcribe.json and .md")
     args = parser.parse_args(argv)
