@@ -71,7 +71,9 @@ def _add_generate(sub) -> None:
                    help="--mode sample: keep the K most likely tokens (default 0: all)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="--mode sample: keep the smallest set of tokens whose probability reaches P (default 1.0)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed (prompt i uses seed + i); the same seed gives the same text, since sampled "
+                        "runs size their trees from acceptance alone, never from measured times")
     p.add_argument("--tree", default="1,1,3,1,1,1,1,1",
                    help="draft tree: widths per depth (SpecInfer default 1,1,3,1,1,1,1,1) or dynamic:NODES")
     p.add_argument("--no-speculation", action="store_true", help="one token per target step, same runtime")
@@ -151,8 +153,10 @@ def cmd_generate(args) -> int:
     drafts = [] if args.no_speculation else list(args.draft)
     ngram = False if args.no_speculation else (args.ngram or not args.draft)
     n_requests = len(prompts) + (args.prompt is not None)
+    # sampled output repeats for a seed only if tree sizes never depend on measured times (the draws a step takes
+    # follow its trees): sampling uses acceptance-only adaptivity; greedy output is the same either way
     config = EngineConfig(num_slots=max(1, min(args.num_slots, n_requests)), max_len=args.max_len, tree=tree,
-                          adaptive=not args.no_adaptive)
+                          adaptive=not args.no_adaptive, cost_aware=args.mode == "greedy")
     show = False if args.no_progress else None
     from specstream.stages.speculative.models.loader import resolve_checkpoint
 

@@ -475,12 +475,7 @@ def convert_gguf_quantized(src: str | os.PathLike, dst: str | os.PathLike, label
         (tmp / "CONVERTED_FROM").write_text(json.dumps({
             "source": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "fingerprint": fingerprint(src), "dtype": fmt.label, "converter_version": CONVERTER_VERSION}, indent=2))
-        tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+        _publish(tmp, dst)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -591,16 +586,22 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, show_progress: 
             "source": str(src.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "fingerprint": fingerprint(src), "converter_version": CONVERTER_VERSION,
             "seconds": round(time.perf_counter() - t0, 1)}, indent=2))
-        tmp.chmod(0o755)  # mkdtemp made it private; the files are readable like any checkpoint's
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+        _publish(tmp, dst)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dst
+
+
+def _publish(tmp: Path, dst: Path) -> None:
+    """Move a complete conversion ``tmp`` into place at ``dst`` (replacing a stale one): readable like any checkpoint
+    (mkdtemp made it private), and renamed last, so an interrupted conversion never looks converted."""
+    tmp.chmod(0o755)
+    for f in tmp.iterdir():
+        f.chmod(0o644)
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
 
 
 def _converted_ok(folder: Path, fp: str, label: str = "float32") -> bool:
