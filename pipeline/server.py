@@ -103,6 +103,9 @@ class ServerSettings(BaseSettings):
         agree_span_s: the commit policy's agreement span (``StreamConfig.agree_span_s``): 0 (default) commits a
             complete segment once two consecutive passes agree on it (LocalAgreement-2); longer spans wait for that
             much more audio (see the table in ``docs/benchmarks.md``).
+        max_final_gap_s: the most audio between two finals during speech (``StreamConfig.max_final_gap_s``; a
+            guarantee, never below the span + two hops): when passes still disagree there, the latest pass's words
+            are committed. Longer = fewer such forced commits with a long ``agree_span_s``, later finals.
     """
 
     model_config = SettingsConfigDict(env_prefix="SPECSTREAM_", extra="ignore")
@@ -134,6 +137,7 @@ class ServerSettings(BaseSettings):
     speech_slots: int = 16
     min_hop_s: float = Field(0.5, gt=0.0)
     agree_span_s: float = Field(0.0, ge=0.0)
+    max_final_gap_s: float = Field(3.0, gt=0.0)
     allowed_media_domains: list[str] = Field(default_factory=list)
     media_fetch_timeout_s: float = Field(10.0, gt=0.0)
     max_image_pixels: int = Field(50_000_000, ge=1)
@@ -287,7 +291,8 @@ class SubtitleSession:
         from specstream.stages.streaming import StreamConfig
 
         s = self.settings
-        self.config = StreamConfig(hop_s=s.min_hop_s, agree_span_s=s.agree_span_s)
+        self.config = StreamConfig(hop_s=s.min_hop_s, agree_span_s=s.agree_span_s,
+                                   max_final_gap_s=s.max_final_gap_s)
         self.recognizer = self._open_stream()
         sender = asyncio.create_task(self._sender())
         worker = asyncio.create_task(self._worker())
@@ -1008,7 +1013,8 @@ async def _run_captions(state: AppState, path: str, prompt: str, max_new_tokens:
 
 #: ``specstream serve`` flags -> the :class:`ServerSettings` field each one sets
 SERVE_FLAGS = {"host": "--host", "port": "--port", "api_keys": "--api-key", "allowed_roots": "--allowed-root",
-               "agree_span_s": "--agree-span-s", "caption_target": "--caption-target",
+               "agree_span_s": "--agree-span-s", "max_final_gap_s": "--max-final-gap-s",
+               "caption_target": "--caption-target",
                "caption_draft": "--caption-draft", "speech_model": "--speech-model", "text_model": "--text-model",
                "text_draft": "--text-draft", "clip_model": "--clip-model", "clip_pretrained": "--clip-pretrained",
                "allowed_media_domains": "--allowed-media-domains", "media_fetch_timeout_s": "--media-fetch-timeout-s",
@@ -1031,6 +1037,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="commit policy: finals wait until readings agree over this much audio (default 0: "
                              "LocalAgreement-2, two consecutive passes; longer = fewer errors, later finals; "
                              "SPECSTREAM_AGREE_SPAN_S)")
+    parser.add_argument("--max-final-gap-s", type=float, default=None,
+                        help="the most audio between two finals during speech (default 3; never below the span + two "
+                             "hops; where passes still disagree, the latest one's words are committed; "
+                             "SPECSTREAM_MAX_FINAL_GAP_S)")
     parser.add_argument("--caption-target", default=None,
                         help="caption target VLM: checkpoint dir or hub id (default: the built-in tiny model with "
                              "untrained weights; SPECSTREAM_CAPTION_TARGET)")
@@ -1081,7 +1091,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     over: dict[str, Any] = {}
     for field, value in (("host", args.host), ("port", args.port), ("api_keys", args.api_key),
                          ("allowed_roots", [Path(p) for p in args.allowed_root] if args.allowed_root else None),
-                         ("agree_span_s", args.agree_span_s), ("caption_target", args.caption_target),
+                         ("agree_span_s", args.agree_span_s),
+                         ("max_final_gap_s", args.max_final_gap_s), ("caption_target", args.caption_target),
                          ("caption_draft", args.caption_draft), ("speech_model", args.speech_model),
                          ("text_model", args.text_model), ("text_draft", args.text_draft),
                          ("clip_model", args.clip_model), ("clip_pretrained", args.clip_pretrained),

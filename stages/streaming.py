@@ -276,8 +276,8 @@ class StreamConfig:
         if not self.hop_s <= self.trim_after_s <= self.max_buffer_s <= WINDOW_S - self.hop_s:
             raise ValueError(f"need hop_s <= trim_after_s <= max_buffer_s <= {WINDOW_S:g} - hop_s, got "
                              f"{self.hop_s}, {self.trim_after_s}, {self.max_buffer_s}")
-        if not self.max_final_gap_s > self.hop_s:
-            raise ValueError(f"max_final_gap_s must be > hop_s, got {self.max_final_gap_s} <= {self.hop_s}")
+        if not self.max_final_gap_s > 0:  # the gap in force is never below the span + two hops (_gap_limits)
+            raise ValueError(f"max_final_gap_s must be > 0, got {self.max_final_gap_s}")
         if not self.max_backlog_s > 0:
             raise ValueError(f"max_backlog_s must be > 0, got {self.max_backlog_s}")
 
