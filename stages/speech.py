@@ -389,8 +389,10 @@ class SpeechModel:
             return LoopEngine(self.device_loop, self.runner_name, qos)
         if isinstance(drafters, str):
             drafters = make_drafters(drafters)
+        # acceptance-only adaptivity, as the loop's Whisper runner: tree sizes (and so the stats of a Kafka
+        # redelivery) never depend on measured times, and the per-step cost gate stays out of it
         config = EngineConfig(num_slots=num_slots, max_len=self.max_target_positions,
-                              max_nodes_per_request=max_nodes, adaptive=True)
+                              max_nodes_per_request=max_nodes, adaptive=True, cost_aware=False)
         return SpeculativeEngine(self.decoder, list(drafters), config, (self.tokens.eot,), self.tokenizer)
 
     def decode(self, engine: SpeculativeEngine, encoder_outputs: Sequence[torch.Tensor] | torch.Tensor,
