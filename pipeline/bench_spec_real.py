@@ -387,13 +387,22 @@ def run(args) -> dict:
 def summarize(results: dict) -> None:
     """Add tokens/s, ratios and identity flags to every (configuration, workload) entry, in place."""
     configs = results["configs"]
-    reference = None
     ref_name = next((n for n in ("hf/greedy", "ours/no-spec") if n in configs), None)
     results["reference"] = ref_name
-    if ref_name is not None:  # the outputs of each prompt alone
-        reference = {results["workloads"][w][0]: configs[ref_name][w]["outputs"][0]
-                     for w, ps in results["workloads"].items() if len(ps) == 1}
+
+    def same_dtype(name: str, base: str) -> str:
+        """``base`` at ``name``'s weight precision (``ours/chain-4@int4`` -> ``ours/no-spec@int4``): a quantized
+        configuration is compared with the engine at the same precision, whose outputs it must equal."""
+        dtype = name.partition("@")[2]
+        return f"{base}@{dtype}" if dtype and f"{base}@{dtype}" in configs else base
+
+    def alone(ref: str) -> dict:  # the reference's output of each prompt run alone
+        return {results["workloads"][w][0]: configs[ref][w]["outputs"][0]
+                for w, ps in results["workloads"].items() if len(ps) == 1 and w in configs[ref]}
+
     for name, per in configs.items():
+        ref = same_dtype(name, "ours/no-spec") if "@" in name else ref_name
+        reference = alone(ref) if ref in configs else None
         for wname, rec in per.items():
             tokens = sum(len(o) for o in rec["outputs"])
             rec["tokens"] = tokens
@@ -403,7 +412,7 @@ def summarize(results: dict) -> None:
                 rec["identical"] = all(out == reference.get(p) for out, p in zip(rec["outputs"], prompts))
     for name, per in configs.items():
         for wname, rec in per.items():
-            base = configs.get("ours/no-spec", {}).get(wname)
+            base = configs.get(same_dtype(name, "ours/no-spec"), {}).get(wname)
             assisted = configs.get("hf/assisted", {}).get(wname)
             rec["vs_no_spec"] = rec["tok_s"] / base["tok_s"] if base and base["tok_s"] else None
             rec["vs_hf_assisted"] = rec["tok_s"] / assisted["tok_s"] if assisted and assisted["tok_s"] else None
@@ -413,6 +422,9 @@ def markdown(results: dict) -> str:
     """The results as markdown tables (one per workload, then the host-time line)."""
     budget = "adaptive tree budget" if results.get("adaptive", True) else "fixed trees (adaptive budget off)"
     ref = results.get("reference") or "hf/greedy"
+    if any("@" in name for name in results["configs"]):  # quantized rows: the engine alone at their precision
+        ref = ("ours/no-spec at the row's dtype" if results.get("reference") is None
+               else f"{ref} (quantized rows: ours/no-spec at their dtype)")
     lines = [f"Real pair ({results['target']} target, {results['draft']} draft), "
              f"{', '.join(results.get('dtypes', [results['dtype']]))}, "
              f"{results['threads']} threads, {results['new_tokens']} new tokens per request, {budget}, "
