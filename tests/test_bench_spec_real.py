@@ -77,3 +77,24 @@ def test_llama_cpp_row_weights_bound_and_rss_columns():
     assert "CPU: Test CPU; measured read bandwidth 14.7 GB/s" in table and "float32, int4" in table
     assert "| llama.cpp/plain | 2.00 | – | – | – | 1.00x | – | – | – | – |" in table
     assert "| ours/no-spec@int4 | 2.00 | 1.00 | 1.00x | 1.00x | 1.00x | 1.00 | 13.69 | 1.50 | yes |" in table
+
+
+def test_quantized_rows_are_compared_with_no_speculation_at_their_own_dtype():
+    """``--dtypes int4,int8`` names configurations ``ours/X@int4``: each is compared (tokens/s ratio and identity)
+    with ``ours/no-spec`` at the same precision, whose greedy outputs it must equal; before, the lookup of the bare
+    ``ours/no-spec`` missed and the column printed '-'."""
+    a, b = [1, 2, 3, 4], [1, 2, 5, 6]  # int8 and int4 decode differently; each dtype agrees with itself
+
+    def rec(s, out):
+        return {"s": s, "outputs": [out]}
+
+    res = {"date": "2026-12-03", "threads": 2, "dtype": "float32", "new_tokens": 4, "target": "t", "draft": "d",
+           "workloads": {"code": ["code"]}, "configs": {
+               "ours/no-spec@int4": {"code": rec(2.0, b)}, "ours/chain-4@int4": {"code": rec(1.0, b)},
+               "ours/no-spec@int8": {"code": rec(4.0, a)}, "ours/chain-4@int8": {"code": rec(1.0, [1, 2, 3, 9])}}}
+    summarize(res)
+    c = res["configs"]
+    assert c["ours/chain-4@int4"]["code"]["vs_no_spec"] == 2.0 and c["ours/chain-4@int4"]["code"]["identical"]
+    assert c["ours/chain-4@int8"]["code"]["vs_no_spec"] == 4.0 and not c["ours/chain-4@int8"]["code"]["identical"]
+    assert c["ours/no-spec@int8"]["code"]["identical"] and c["ours/no-spec@int8"]["code"]["vs_no_spec"] == 1.0
+    assert "identical to ours/no-spec at the row's dtype |" in markdown(res)
