@@ -76,4 +76,8 @@ def test_gap_setting_is_checked():
     from specstream.stages.streaming import StreamConfig
 
     with pytest.raises(ValueError, match="max_final_gap_s"):
-        StreamConfig(hop_s=1.0, max_final_gap_s=1.0)
+        StreamConfig(hop_s=1.0, max_final_gap_s=0.0)
+    # a gap below the span + two hops is raised to that floor, not refused: a long hop (one pass over a whole
+    # recording) keeps the default gap
+    long_hop = StreamConfig(hop_s=15.0, trim_after_s=15.0, max_buffer_s=15.0)
+    assert long_hop.max_final_gap_s == 3.0
