@@ -46,7 +46,7 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specstream.pipeline.server import (CLOSE_POLICY, CLOSE_TRY_LATER, PcmDecoder, SubtitleSession, _Closed)
+from specstream.pipeline.server import CLOSE_POLICY, CLOSE_TRY_LATER, PcmDecoder, SubtitleSession, _Closed, run_session
 
 log = logging.getLogger("specstream.server")
 
@@ -472,7 +472,6 @@ def realtime_router(state) -> APIRouter:
 
     @router.websocket("/v1/realtime")
     async def realtime(ws: WebSocket):
-        settings = state.settings
         if ws.query_params.get("intent") != "transcription":
             await ws.accept()
             await ws.send_text(json.dumps({"type": "error", "event_id": _id("event"), "error": {
@@ -480,17 +479,7 @@ def realtime_router(state) -> APIRouter:
                 "message": "only transcription sessions are served: connect with ?intent=transcription"}}))
             await ws.close(CLOSE_POLICY, "unsupported intent")
             return
-        if not state.ready or state.sessions >= settings.max_sessions:
-            await ws.accept()
-            state.metrics.closed.labels(str(CLOSE_TRY_LATER)).inc()
-            await ws.close(CLOSE_TRY_LATER, "not ready" if not state.ready else "too many sessions")
-            return
-        await ws.accept()
-        state.sessions += 1
-        try:
-            await RealtimeTranscriptionSession(ws, state, _speech_model_id(state)).run()
-        finally:
-            state.sessions -= 1
+        await run_session(ws, state, lambda: RealtimeTranscriptionSession(ws, state, _speech_model_id(state)))
 
     return router
 

@@ -260,6 +260,23 @@ class ServerMetrics:
                                     registry=registry)
 
 
+async def run_session(ws: WebSocket, state, make_session) -> None:
+    """Admission shared by the WebSocket session routes (``/v1/subtitles``, ``/v1/realtime``): before the server is
+    ready or at ``max_sessions``, close with 1013 (try again later, counted in the close metric); otherwise accept,
+    run ``make_session()`` (a :class:`SubtitleSession`) and count it among the open sessions until it ends."""
+    if not state.ready or state.sessions >= state.settings.max_sessions:
+        await ws.accept()
+        state.metrics.closed.labels(str(CLOSE_TRY_LATER)).inc()
+        await ws.close(CLOSE_TRY_LATER, "not ready" if not state.ready else "too many sessions")
+        return
+    await ws.accept()
+    state.sessions += 1
+    try:
+        await make_session().run()
+    finally:
+        state.sessions -= 1
+
+
 class SubtitleSession:
     """One ``/v1/subtitles`` connection: a receiver (the caller's task), a pass loop and a sender task.
 
@@ -893,17 +910,7 @@ def create_app(settings: ServerSettings | None = None, speech=None):
 
     @app.websocket("/v1/subtitles")
     async def subtitles(ws: WebSocket):
-        if not state.ready or state.sessions >= settings.max_sessions:
-            await ws.accept()
-            state.metrics.closed.labels(str(CLOSE_TRY_LATER)).inc()
-            await ws.close(CLOSE_TRY_LATER, "not ready" if not state.ready else "too many sessions")
-            return
-        await ws.accept()
-        state.sessions += 1
-        try:
-            await SubtitleSession(ws, state).run()
-        finally:
-            state.sessions -= 1
+        await run_session(ws, state, lambda: SubtitleSession(ws, state))
 
     from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
     from fastapi.exceptions import RequestValidationError

@@ -110,46 +110,9 @@ def draft_once(engine, script, default, budget, depth, processors=lambda: ()) ->
 
 def exact_mss(tree: TokenTree, p: np.ndarray, m: int = 2) -> dict[tuple[int, ...], float]:
     """The distribution of the first ``m`` emitted tokens (float64) of multi-step speculative sampling over the
-    compiled tree's draw tables; after the bonus token the target continues alone."""
-    ct = compile_trees([tree], "cpu", vocab_size=V)
-    tokens = ct.tokens[0].tolist()
-    child, kind, qi = ct.draw_child[0].tolist(), ct.draw_kind[0].tolist(), ct.draw_q[0].tolist()
-    q_rows = ct.q.double().numpy() if ct.q is not None else None
-
-    def alone(n):
-        out = {(): 1.0}
-        for _ in range(n):
-            out = {s + (y,): pr * p[y] for s, pr in out.items() for y in range(V)}
-        return out
-
-    def at(node, n):
-        if n == 0:
-            return {(): 1.0}
-        out = defaultdict(float)
-        r, reach = p.copy(), 1.0
-        for k in range(len(child[node])):
-            c = child[node][k]
-            if c < 0:
-                break
-            x = tokens[c]
-            if kind[node][k] == ProposalKind.SAMPLED:
-                q = q_rows[qi[node][k]]
-                a = min(1.0, r[x] / q[x]) if q[x] > 0 else 0.0
-                res = np.maximum(r - q, 0.0)
-            else:
-                a = r[x]
-                res = r.copy()
-                res[x] = 0.0
-            for seq, pr in at(c, n - 1).items():
-                out[(x,) + seq] += reach * a * pr
-            reach *= 1.0 - a
-            r = res / res.sum() if res.sum() > 0 else p.copy()
-        for y in range(V):
-            for seq, pr in alone(n - 1).items():
-                out[(y,) + seq] += reach * r[y] * pr
-        return out
-
-    return dict(at(0, m))
+    compiled tree's draw tables; after the bonus token the target continues alone (:func:`exact_mss_paths` with the
+    same target distribution at every node)."""
+    return exact_mss_paths(tree, lambda path: p, m)
 
 
 def enumerate_step(engine, qs, budget, depth, processors=lambda: ()):
@@ -372,7 +335,9 @@ def constrained_p_of(grammar, p):
 
 
 def exact_mss_paths(tree: TokenTree, p_of, m: int = 2) -> dict[tuple[int, ...], float]:
-    """:func:`exact_mss` with a target distribution per node, ``p_of(path tokens)``."""
+    """The distribution of the first ``m`` emitted tokens (float64) of multi-step speculative sampling over the
+    compiled tree's draw tables, with a target distribution per node, ``p_of(path tokens)`` (a grammar masks it
+    after each path); after the bonus token the target continues alone."""
     ct = compile_trees([tree], "cpu", vocab_size=V)
     tokens = ct.tokens[0].tolist()
     child, kind, qi = ct.draw_child[0].tolist(), ct.draw_kind[0].tolist(), ct.draw_q[0].tolist()
