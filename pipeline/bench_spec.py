@@ -275,6 +275,11 @@ def main(args) -> int:
         target, draft = build_models(root, spec)
     from specstream.stages.speculative.models.loader import resolve_checkpoint
 
+    from specstream.pipeline.bench_spec_real import cpu_model, read_bandwidth
+
+    machine = {"cpu": cpu_model(), "read_bandwidth": read_bandwidth(torch.get_num_threads())}
+    print(f"CPU {machine['cpu']}; read bandwidth {machine['read_bandwidth'] / 1e9:.1f} GB/s "
+          f"({torch.get_num_threads()} threads)")
     vocab = resolve_checkpoint(target).decoder_config().vocab_size
     sizes = tuple(getattr(args, "batch_sizes", None) or BATCH_SIZES)
     if getattr(args, "batch_only", False):
@@ -286,6 +291,7 @@ def main(args) -> int:
     prompts = make_prompts(args.prompts, vocab)
     res = run(target, draft, prompts, args.max_new_tokens, args.out)
     res["batch_sweep"] = batch_sweep(target, draft, sizes, args.max_new_tokens, vocab)
+    res.update(machine)
     if args.out is not None:
         (args.out / "bench_spec.json").write_text(json.dumps(res, indent=2))
     print(json.dumps({k: {kk: round(vv, 3) if isinstance(vv, float) else vv for kk, vv in v.items()}

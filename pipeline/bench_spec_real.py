@@ -167,16 +167,22 @@ def run_hf(target: Path, draft: Path, ids: dict, loads: dict, configs: list[str]
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or ``platform.processor()`` elsewhere."""
+    """The CPU's model name (``/proc/cpuinfo``, or ``platform.processor()`` elsewhere), with its bfloat16/AMX
+    instruction sets when it has them (``AMD EPYC (avx512_bf16)``): the benchmarks print it beside every figure."""
     import platform
 
+    name, flags = "", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if line.startswith("model name") and not name:
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = f" {line.split(':', 1)[1]} "
     except OSError:
         pass
-    return platform.processor() or "unknown"
+    name = name or platform.processor() or "unknown"
+    extra = [f for f in ("avx512_bf16", "amx_bf16", "amx_int8") if f" {f} " in flags]
+    return f"{name} ({', '.join(extra)})" if extra else name
 
 
 def read_bandwidth(threads: int = 2, nbytes: int = 1 << 30, repeats: int = 3) -> float:

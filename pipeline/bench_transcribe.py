@@ -30,7 +30,6 @@ import datetime
 import functools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -42,21 +41,6 @@ import numpy as np
 
 def _tests_dir() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), and whether it has bfloat16 instructions."""
-    name, flags = platform.processor() or "unknown", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name in ("unknown", "", platform.processor()):
-                name = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                flags = line
-    except OSError:
-        pass
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f" {f}" in flags]
-    return f"{name} ({os.cpu_count()} CPUs{', ' + ', '.join(bf16) if bf16 else ''})"
 
 
 def profile_transcribe(sm, audio: np.ndarray, speculate: bool) -> dict:
@@ -191,9 +175,13 @@ def bench_transcribe_main(argv: list[str]) -> int:
     models = ["tiny.en"] if args.quick else [x for x in args.models.split(",") if x]
     rounds = 1 if args.quick else max(1, args.rounds)
     dtypes = [x for x in args.dtypes.split(",") if x]
-    cpu = cpu_model()
-    log(f"CPU: {cpu}; torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
-    out: dict = {"date": datetime.date.today().isoformat(), "cpu": cpu, "threads": args.threads,
+    from specstream.pipeline.bench_spec_real import cpu_model, read_bandwidth
+
+    cpu, bandwidth = cpu_model(), read_bandwidth(args.threads)
+    log(f"CPU: {cpu} ({os.cpu_count()} CPUs); read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads); "
+        f"torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
+    out: dict = {"date": datetime.date.today().isoformat(), "cpu": cpu, "read_bandwidth": bandwidth,
+                 "threads": args.threads,
                  "loadavg_start": round(os.getloadavg()[0], 2), "rounds": rounds,
                  "options": {"beam_size": 1, "temperature": 0.0, "condition_on_previous_text": False,
                              "vad_filter": True, "language": "en", "timestamps": True},
@@ -278,8 +266,10 @@ def _write(out: dict, directory: Path | None) -> None:
 
 def markdown(out: dict) -> str:
     """The run as markdown tables (docs/benchmarks.md quotes them)."""
+    bandwidth = (f"read bandwidth {out['read_bandwidth'] / 1e9:.1f} GB/s" if out.get("read_bandwidth")
+                 else "read bandwidth not recorded")
     lines = [f"# bench transcribe ({out['date']})", "",
-             f"CPU: {out['cpu']}; {out['threads']} thread(s) for torch and CTranslate2; load average "
+             f"CPU: {out['cpu']}; {bandwidth}; {out['threads']} thread(s) for torch and CTranslate2; load average "
              f"{out['loadavg_start']} at start, {out['loadavg_end']} at end; median of {out['rounds']} alternating "
              f"rounds. Options: beam 1, temperature 0, timestamps, VAD, no previous text, English.", "",
              "| model | recording | configuration | WER | RTF | x vs ours off | x vs faster-whisper int8 |",
