@@ -12,8 +12,12 @@ ending with ``data: [DONE]``; ``usage``; ``logprobs.content`` with ``top_logprob
   ``specstream.modalities.fetch`` has the policy); ``video_url`` parts (as vLLM takes them) become the
   video's keyframes, chosen as ``specstream qa`` chooses them;
 - ``n`` (up to 16) choices decode as rows of the same engine steps, each with its own random stream (seed + i
-  when a seed is given); greedy choices are identical; tools, response formats, penalties and logit biases are refused with
-  ``unsupported_parameter``; ``return_token_ids: true`` (vLLM's extension) adds ``token_ids`` to the choice;
+  when a seed is given); greedy choices are identical; ``return_token_ids: true`` (vLLM's extension) adds
+  ``token_ids`` to the choice;
+- ``response_format`` (``json_object``, ``json_schema``) and forced tool calls (``tool_choice`` ``required`` or
+  named) run through the engine's grammar constraint with speculation on (``response_format.py``,
+  ``tool_calls.py``); ``logit_bias`` and ``min_p`` are target logits processors; penalties are refused with
+  ``unsupported_parameter``;
 - a client that drops a streamed (or any) request cancels it: it ends at its next engine step and frees its slot.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; codes are specstream's
