@@ -180,7 +180,7 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
                 f"{rec['forced_share']:.2f} constraint {1000 * rec['constraint_s_per_step']:.2f} ms/step "
                 f"({100 * rec['constraint_share']:.1f}%), valid {valid}/{len(outs)} (cut {cut})")
         results["configs"][cname] = per
-        del engine
+        engine = gd = None  # freed before the next configuration loads
         gc.collect()
     base = results["configs"].get("constrained/no-spec")
     for cname, per in results["configs"].items():
