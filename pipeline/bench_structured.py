@@ -110,7 +110,7 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
         prompts: name -> (prompt token ids, JSON Schema).
         decode: token ids -> text (the output checked against its schema; the end-of-sequence ids are dropped).
         new_tokens: token limit per request; batch: requests in the batch workload (0: none).
-        eos: end-of-sequence ids (dropped before decoding).
+        eos: end-of-sequence ids (end every request; dropped before decoding).
     Returns ``{"configs": {name: {workload: record}}, "new_tokens", "batch"}``.
     """
     import jsonschema
@@ -138,7 +138,8 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
             for n in names:
                 ids = prompts[n][0]
                 reqs.append(engine.add_request(engine.make_request(
-                    ids, new_tokens, speculate=speculate, logits_processors=[grammars[n].constraint(len(ids))])))
+                    ids, new_tokens, speculate=speculate, logits_processors=[grammars[n].constraint(len(ids))],
+                    eos_token_ids=tuple(eos))))
             engine.run()
             for r in reqs:
                 engine.loop.pop(r.request_id)
@@ -220,10 +221,10 @@ def main(args) -> int:
 
     torch.set_num_threads(args.threads)
     show = False if args.no_progress else None
-    target = resolve_checkpoint(TARGET, show_progress=show).path
-    draft = resolve_checkpoint(DRAFT, show_progress=show).path
+    tckpt = resolve_checkpoint(TARGET, show_progress=show)
+    target, draft = tckpt.path, resolve_checkpoint(DRAFT, show_progress=show).path
     tok = AutoTokenizer.from_pretrained(str(target))
-    eos = tuple(_eos_ids(target))
+    eos = _eos_ids(tckpt)  # the config's and the generation config's (Qwen ends a turn with <|im_end|>)
     cfg = json.loads((Path(target) / "config.json").read_text())
     info = tokenizer_info(tok, cfg["vocab_size"], eos)
     prompts = {n: (chat_prompt_ids(target, text), schema) for n, (text, schema) in PROMPTS.items()}
