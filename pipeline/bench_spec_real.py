@@ -33,6 +33,8 @@ every step drafts the configured tree: the run that compares trees with chains a
 ``hf/greedy`` in the run, outputs are compared with ``ours/no-spec`` alone (which equals HF greedy's in the full
 run).
 
+``--structured`` runs the grammar-constrained workloads instead (``pipeline/bench_structured.py``).
+
 Results: ``OUT/bench_spec_real.json``, ``OUT/bench_spec_real.png`` and ``OUT/bench_spec_real.md`` (the tables;
 ``--table-from JSON`` rebuilds them without running anything); with ``--fixed-trees``,
 ``OUT/bench_spec_real_fixed.*``.
@@ -514,6 +516,10 @@ def write(results: dict, out: Path) -> None:
 
 def main(args) -> int:
     """``specstream bench spec --real`` (arguments from the CLI's ``bench spec`` parser)."""
+    if getattr(args, "structured", False):
+        from specstream.pipeline.bench_structured import main as structured_main
+
+        return structured_main(args)
     if args.table_from:
         results = json.loads(Path(args.table_from).read_text())
         print(markdown(results))
@@ -561,6 +567,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile-steps", type=int, default=8,
                         help="--real: decode steps profiled for the host time per step (0: none)")
     parser.add_argument("--no-progress", action="store_true", help="--real: no fetch/convert progress bars")
+    parser.add_argument("--structured", action="store_true",
+                        help="--real: JSON-schema workloads (a code-review object, a caption-like object), "
+                             "constrained + speculative vs constrained alone (pipeline/bench_structured.py)")
     parser.add_argument("--table-from", type=Path, default=None,
                         help="--real: print the markdown tables of an earlier results JSON and exit")
 

@@ -12,8 +12,12 @@ ending with ``data: [DONE]``; ``usage``; ``logprobs.content`` with ``top_logprob
   ``specstream.modalities.fetch`` has the policy); ``video_url`` parts (as vLLM takes them) become the
   video's keyframes, chosen as ``specstream qa`` chooses them;
 - ``n`` (up to 16) choices decode as rows of the same engine steps, each with its own random stream (seed + i
-  when a seed is given); greedy choices are identical; tools, response formats, penalties and logit biases are refused with
-  ``unsupported_parameter``; ``return_token_ids: true`` (vLLM's extension) adds ``token_ids`` to the choice;
+  when a seed is given); greedy choices are identical; ``return_token_ids: true`` (vLLM's extension) adds
+  ``token_ids`` to the choice;
+- ``response_format`` (``json_object``, ``json_schema``) and forced tool calls (``tool_choice`` ``required`` or
+  named) run through the engine's grammar constraint with speculation on (``response_format.py``,
+  ``tool_calls.py``); ``logit_bias`` and ``min_p`` are target logits processors; penalties are refused with
+  ``unsupported_parameter``;
 - a client that drops a streamed (or any) request cancels it: it ends at its next engine step and frees its slot.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``; codes are specstream's
@@ -43,8 +47,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specstream.errors import (
     CapacityError,
     InvalidRequestError,
+    InvalidSchemaError,
     MediaError,
     ModelNotLoadedError,
+    SchemaCompileTimeoutError,
     SpecstreamError,
     UnreadableSourceError,
     UnsupportedMediaError,
@@ -90,9 +96,8 @@ class _StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-_REFUSED = ("tools", "tool_choice", "functions", "function_call", "response_format", "logit_bias", "audio",
-            "modalities", "prediction", "reasoning_effort", "parallel_tool_calls", "best_of", "echo", "suffix",
-            "web_search_options")
+_REFUSED = ("functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort", "best_of",
+            "echo", "suffix", "web_search_options")
 
 
 class _Sampling(BaseModel):
@@ -115,18 +120,19 @@ class _Sampling(BaseModel):
     metadata: dict | None = None
     service_tier: str | None = None
     return_token_ids: bool = False  # vLLM's extension: the generated token ids in the choice
-    # refused unless absent / null / empty (see _refuse)
-    tools: Any = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's extension: min-p filtering (logits.MinP)
+    logit_bias: dict[str, float] | None = None  # token id (as a string key) -> bias in [-100, 100]
+    response_format: Any = None  # chat: text | json_object | json_schema (response_format.py)
+    tools: Any = None  # chat: function tools (tool_calls.py)
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # accepted; at most one call is made per choice
+    # refused unless absent / null / empty (see _refuse)
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
-    logit_bias: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
     reasoning_effort: Any = None
-    parallel_tool_calls: Any = None
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
@@ -152,16 +158,28 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class _FunctionCall(BaseModel):
+    name: str
+    arguments: str  # the arguments' JSON text
+
+
+class _ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: _FunctionCall
+
+
 class _AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[_ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = Field(ge=0)
     message: _AssistantMessage
     logprobs: dict | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     token_ids: list[int] | None = None  # with return_token_ids
 
 
@@ -480,11 +498,25 @@ async def _turns(body: ChatRequest, hub, settings) -> tuple[tuple, _Media]:
     turns = []
     try:
         for i, msg in enumerate(body.messages):
-            if msg.role in ("tool", "function") or msg.tool_calls or msg.function_call:
-                raise _param(UnsupportedParameterError("tool and function messages are not supported"),
-                             f"messages.{i}")
+            if msg.role == "function" or msg.function_call:
+                raise _param(UnsupportedParameterError("function messages (the deprecated 'functions' API) are not "
+                                                       "supported: use tools"), f"messages.{i}")
             role = "system" if msg.role == "developer" else msg.role
             content = msg.content
+            if msg.role == "tool":  # a tool's result, shown to the model as a user turn (the template has no tool role)
+                text = content if isinstance(content, str) else " ".join(p.text or "" for p in content or ())
+                turns.append(Turn("user", (f"Result of the function call {msg.tool_call_id or ''}: {text}",)))
+                continue
+            if msg.tool_calls:  # an earlier call, as the model wrote it (tool_calls.py's format)
+                try:
+                    calls = [json.dumps({"name": c["function"]["name"],
+                                         "arguments": json.loads(c["function"]["arguments"] or "{}")},
+                                        ensure_ascii=False) for c in msg.tool_calls]
+                except (TypeError, KeyError, ValueError):
+                    raise _param(InvalidRequestError("tool_calls must be OpenAI tool calls whose arguments are a "
+                                                     "JSON object"), f"messages.{i}.tool_calls") from None
+                turns.append(Turn("assistant", ("\n".join(calls),)))
+                continue
             if content is None:
                 raise _param(InvalidRequestError("a message needs content"), f"messages.{i}.content")
             if isinstance(content, str):
@@ -587,6 +619,76 @@ async def _watch_client(request: Request, task: asyncio.Task) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
+# -- structured output and tools --------------------------------------------------------------------------------------
+def _structure(body: _Sampling, chat: bool):
+    """``(tool plan, JSON Schema or None, the field the schema came from)`` of a request.
+
+    Raises:
+        UnsupportedParameterError / InvalidSchemaError with ``param``: tools on ``/v1/completions``, a bad
+        ``response_format``, bad ``tools`` / ``tool_choice``, or ``response_format`` together with tools the
+        model may call (the output is either the format or a tool call; say which with ``tool_choice``)."""
+    from specstream.pipeline.response_format import schema_from_response_format
+    from specstream.pipeline.tool_calls import ToolPlan, tool_plan
+
+    if not chat and (body.tools not in (None, []) or body.tool_choice is not None):
+        raise _param(UnsupportedParameterError("tools are a chat completions feature"), "tools")
+    plan = tool_plan(body.tools, body.tool_choice) if chat else ToolPlan("none")
+    try:
+        schema = schema_from_response_format(body.response_format)
+    except (InvalidSchemaError, UnsupportedParameterError) as exc:
+        raise _param(exc, "response_format") from None
+    if schema is not None and plan.active:
+        raise _param(UnsupportedParameterError("response_format with tools the model may call is not supported: "
+                                               "give tool_choice 'none', or drop response_format"),
+                     "response_format")
+    if plan.constrained:
+        return plan, plan.schema(), "tools"
+    return plan, schema, "response_format"
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token id strings -> bias) as ``(id, bias)`` pairs.
+
+    Raises:
+        InvalidRequestError (param ``logit_bias``): a key that is not a token id, a bias outside [-100, 100]."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise _param(InvalidRequestError(f"logit_bias keys are token ids, got {key!r}"), "logit_bias") from None
+        if tid < 0 or not -100.0 <= float(value) <= 100.0:
+            raise _param(InvalidRequestError("logit_bias maps token ids >= 0 to biases in [-100, 100]"),
+                         "logit_bias")
+        out.append((tid, float(value)))
+    return tuple(out)
+
+
+def _with_tools(turns: tuple, plan) -> tuple:
+    """``turns`` with the tools shown in the system turn (a new first turn when there is none)."""
+    from specstream.stages.serving import Turn
+
+    if not plan.active:
+        return turns
+    text = plan.system_text()
+    if turns and turns[0].role == "system":
+        return (Turn("system", turns[0].parts + ("\n" + text,)),) + tuple(turns[1:])
+    return (Turn("system", (text,)),) + tuple(turns)
+
+
+def _chat_message(gen, plan) -> tuple[dict[str, Any], str]:
+    """The assistant message of a finished choice and its finish reason (``tool_calls`` for a tool call)."""
+    from specstream.pipeline.tool_calls import new_call_id, parse_tool_call
+
+    call = parse_tool_call(plan, gen.text) if plan is not None and plan.active and gen.finish_reason == "stop" \
+        else None
+    if call is None:
+        return {"role": "assistant", "content": gen.text}, gen.finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": new_call_id(), "type": "function", "function": {"name": call[0], "arguments": call[1]}}]}, \
+        "tool_calls"
+
+
 # -- the routes -----------------------------------------------------------------------------------------------------
 def openai_router(app_state) -> APIRouter:
     """The OpenAI-compatible routes over ``app_state`` (the server's ``AppState``)."""
@@ -601,10 +703,11 @@ def openai_router(app_state) -> APIRouter:
 
     async def complete(request: Request, body: _Sampling, prompt_of, chat: bool):
         """Shared by both completion routes: admission, generation (streamed or not), errors, cleanup."""
+        plan, schema, schema_param = _structure(body, chat)
         hub = state.hub()
         kind = hub.kind_of(body.model)
         model = await hub.model(kind)
-        prompt, media = await prompt_of(hub)
+        prompt, media = await prompt_of(hub, plan)
         stream_usage = bool(body.stream_options and body.stream_options.include_usage)
         if chat:
             logprobs = bool(body.logprobs)
@@ -621,26 +724,34 @@ def openai_router(app_state) -> APIRouter:
         # one random stream per choice: seed + i when the client gave a seed (reproducible), else fresh draws
         seeds = [body.seed + i if body.seed is not None else secrets.randbits(31) for i in range(choices)]
         stops = _stops(body.stop)
+        bias = _logit_bias(body.logit_bias)
         params = [GenerationParams(max_new_tokens=max_new, temperature=temperature, top_p=body.top_p or 1.0,
-                                   seed=seed, stop=stops, logprobs=logprobs, top_logprobs=top) for seed in seeds]
+                                   seed=seed, stop=stops, logprobs=logprobs, top_logprobs=top, logit_bias=bias,
+                                   min_p=body.min_p or 0.0) for seed in seeds]
+        if schema is not None:  # compiled (and cached) before admission: a bad schema is a 400 naming its field
+            try:
+                await hub.compile_schema(schema, model=body.model)
+            except (InvalidSchemaError, SchemaCompileTimeoutError) as exc:
+                raise _param(exc, schema_param) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         state.admit()
         admitted = False
         try:
             if not body.stream:
-                task = asyncio.create_task(hub.generate_many(prompt, params, model=body.model, qos=QOS_INTERACTIVE))
+                task = asyncio.create_task(hub.generate_many(prompt, params, model=body.model, qos=QOS_INTERACTIVE,
+                                                             schema=schema))
                 watch = asyncio.create_task(_watch_client(request, task))
                 try:
                     gens = await task
                 finally:
                     watch.cancel()
-                return JSONResponse(_final(rid, created, model, gens, chat, body.return_token_ids))
+                return JSONResponse(_final(rid, created, model, gens, chat, body.return_token_ids, plan))
             queue: asyncio.Queue = asyncio.Queue()
             started = asyncio.Event()
             task = asyncio.create_task(hub.generate_many(prompt, params, model=body.model, qos=QOS_INTERACTIVE,
                                                          on_delta=lambda i, d: queue.put_nowait((i, d)),
-                                                         on_admitted=started.set))
+                                                         on_admitted=started.set, schema=schema))
             waiter = asyncio.create_task(started.wait())
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
@@ -655,7 +766,7 @@ def openai_router(app_state) -> APIRouter:
             _WATCHERS.add(watch)  # a strong reference until it ends (the loop keeps only weak ones)
             watch.add_done_callback(_WATCHERS.discard)
             return StreamingResponse(_events(task, queue, rid, created, model, chat, logprobs, stream_usage,
-                                             body.return_token_ids, choices),
+                                             body.return_token_ids, choices, plan),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finally:
             if not admitted:
@@ -673,16 +784,16 @@ def openai_router(app_state) -> APIRouter:
                  max_body_size=json_limit, responses=ERROR_RESPONSES,
                  response_model=ChatCompletion, openapi_extra=_SSE_DOC)
     async def chat_completions(request: Request, body: ChatRequest):
-        async def prompt_of(hub):
+        async def prompt_of(hub, plan):
             turns, media = await _turns(body, hub, settings)
-            return Prompt(turns=turns), media
+            return Prompt(turns=_with_tools(turns, plan)), media
 
         return await handle(request, body, prompt_of, True)
 
     @router.post("/v1/completions", summary="OpenAI text completions", max_body_size=json_limit,
                  responses=ERROR_RESPONSES, response_model=Completion, openapi_extra=_SSE_DOC)
     async def completions(request: Request, body: CompletionRequest):
-        async def prompt_of(hub):
+        async def prompt_of(hub, _plan):
             p = body.prompt
             if isinstance(p, list) and p and all(isinstance(t, int) for t in p):
                 return Prompt(ids=tuple(p)), _Media(settings)  # token ids, as they are
@@ -713,14 +824,16 @@ def openai_router(app_state) -> APIRouter:
     return router
 
 
-def _final(rid: str, created: int, model, gens: list, chat: bool, token_ids: bool) -> dict[str, Any]:
-    """The completion object of ``gens`` (one per choice, ``index`` in order)."""
+def _final(rid: str, created: int, model, gens: list, chat: bool, token_ids: bool, plan=None) -> dict[str, Any]:
+    """The completion object of ``gens`` (one per choice, ``index`` in order); ``plan``: the request's tools
+    (``tool_calls.ToolPlan``)."""
     hub_model = model
     choices = []
     for index, gen in enumerate(gens):
         if chat:
-            choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": gen.text},
-                                      "logprobs": None, "finish_reason": gen.finish_reason}
+            message, reason = _chat_message(gen, plan)
+            choice: dict[str, Any] = {"index": index, "message": message, "logprobs": None,
+                                      "finish_reason": reason}
             if gen.logprobs is not None:
                 choice["logprobs"] = {"content": _logprobs_content(hub_model, gen, gen.tokens)}
         else:
@@ -753,13 +866,20 @@ def _legacy_logprobs(hub_model, gen) -> dict[str, Any]:
 
 
 async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: int, model, chat: bool,
-                  logprobs: bool, usage: bool, token_ids: bool, choices: int = 1):
+                  logprobs: bool, usage: bool, token_ids: bool, choices: int = 1, plan=None):
     """The SSE stream of one request: a role chunk per choice, a chunk per engine step and choice that released
     text (or tokens with log-probabilities), each choice's final chunk with ``finish_reason``, the usage chunk when
-    asked, ``[DONE]``. Every chunk carries its choice's ``index``; ``queue`` holds ``(index, delta)``. When the
-    client goes away (a send fails, or the watcher sees the disconnect) the generation is cancelled."""
+    asked, ``[DONE]``. Every chunk carries its choice's ``index``; ``queue`` holds ``(index, delta)``. With tools
+    (``plan`` active) each choice's text goes through a ``tool_calls.ToolCallStream``, which turns it into
+    ``delta.tool_calls`` chunks (or content) as OpenAI streams tool calls; a step's logprobs ride on its last chunk
+    (or the next one when the step sent none). When the client goes away (a send fails, or the watcher sees the
+    disconnect) the generation is cancelled."""
+    from specstream.pipeline.tool_calls import ToolCallStream
+
     obj = "chat.completion.chunk" if chat else "text_completion"
     mid = model.info.id
+    tools = [ToolCallStream(plan) for _ in range(choices)] if chat and plan is not None and plan.active else None
+    pending_lp: list[list[dict]] = [[] for _ in range(choices)]
 
     def chunk(choice: dict | None, extra: dict | None = None) -> str:
         body = {"id": rid, "object": obj, "created": created, "model": mid, "system_fingerprint": None,
@@ -791,6 +911,18 @@ async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: i
                 index, delta = queue.get_nowait()
             if not delta.text and not (logprobs and delta.tokens):
                 continue
+            if chat and tools is not None:
+                if logprobs:
+                    pending_lp[index] += [_token_entry(model, t, lp, None) for t, lp in
+                                          zip(delta.tokens, delta.logprobs) if t not in model.eos]
+                parts = tools[index].feed(delta.text)
+                for k, part in enumerate(parts):
+                    choice = {"index": index, "delta": part, "logprobs": None, "finish_reason": None}
+                    if logprobs and k == len(parts) - 1:
+                        choice["logprobs"] = {"content": pending_lp[index]}
+                        pending_lp[index] = []
+                    yield chunk(choice)
+                continue
             if chat:
                 choice = {"index": index, "delta": {"content": delta.text}, "logprobs": None,
                           "finish_reason": None}
@@ -808,7 +940,14 @@ async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: i
             yield "data: [DONE]\n\n"
             return
         for index, gen in enumerate(gens):
-            last = {"index": index, "logprobs": None, "finish_reason": gen.finish_reason}
+            reason = gen.finish_reason
+            if tools is not None:
+                parts, reason = tools[index].finish(gen.finish_reason)
+                for part in parts:
+                    yield chunk({"index": index, "delta": part, "logprobs": None, "finish_reason": None})
+            last = {"index": index, "logprobs": None, "finish_reason": reason}
+            if tools is not None and logprobs and pending_lp[index]:
+                last["logprobs"] = {"content": pending_lp[index]}
             last.update({"delta": {}} if chat else {"text": ""})
             if token_ids:
                 last["token_ids"] = list(gen.tokens)

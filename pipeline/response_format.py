@@ -1,7 +1,7 @@
-"""OpenAI's ``response_format`` as the JSON Schema the engine constrains to (not wired into the routes yet).
+"""OpenAI's ``response_format`` as the JSON Schema the engine constrains to.
 
-``/v1/chat/completions`` does not call this yet; ``ModelHub.generate(schema=...)`` takes what it returns. Shapes follow OpenAI's Chat Completions
-reference: ``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name": ...,
+``/v1/chat/completions`` (``openai_api._structure``) passes what it returns to
+``ModelHub.generate_many(schema=)``. Shapes follow OpenAI's Chat Completions reference: ``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name": ...,
 "schema": {...}, "strict": true}}``.
 """
 

@@ -153,6 +153,11 @@ class GenerationParams:
         top_logprobs: also that many most likely alternatives per position (0-20), from one extra teacher-forced
             forward of the target over prompt + output.
         speculate: False decodes one token per target step (the baseline; same output).
+        logit_bias: ``(token id, bias)`` pairs added to the target's scores (OpenAI's ``logit_bias``, [-100, 100]).
+        min_p: drop tokens less likely than ``min_p`` x the most likely one's probability (0 disables).
+            Both are logits processors on the target (``logits.LogitBias``, ``logits.MinP``), applied in the
+            order bias, grammar constraint, min-p (min-p's maximum is over the tokens the grammar allows); the
+            returned logprobs are the log-softmax after all three (the target's own, verified rows only).
     """
 
     max_new_tokens: int | None = None
@@ -164,6 +169,8 @@ class GenerationParams:
     logprobs: bool = False
     top_logprobs: int = 0
     speculate: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
 
     def __post_init__(self):
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -176,6 +183,18 @@ class GenerationParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not -100.0 <= float(b) <= 100.0 for _, b in self.logit_bias):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]")
+
+    def processors(self) -> tuple:
+        """The target logits processors these parameters ask for, in order (bias, then min-p; a grammar
+        constraint goes between them: :meth:`ModelHub._one`)."""
+        from specstream.stages.speculative.logits import LogitBias, MinP
+
+        return ((LogitBias(self.logit_bias),) if self.logit_bias else ()), \
+            ((MinP(self.min_p, self.temperature),) if self.min_p > 0 else ())
 
     def sampling(self):
         from specstream.kernels.sampling import SamplingParams
@@ -586,6 +605,15 @@ class ModelHub:
                                         on_admitted=on_admitted, schema=schema)
         return gens[0]
 
+    async def compile_schema(self, schema: dict, *, model: str | None = None, kind: str = "vlm"):
+        """Compile ``schema`` for the model's vocabulary now (cached: :meth:`generate_many` reuses it), so a bad
+        schema is refused before anything is queued.
+
+        Raises:
+            InvalidSchemaError, SchemaCompileTimeoutError, ModelNotLoadedError."""
+        m = await self.model(self.kind_of(model, kind))
+        return await asyncio.to_thread(_grammar_of, m, schema)
+
     async def generate_many(self, prompt: Prompt, params: Sequence[GenerationParams], *, model: str | None = None,
                             kind: str = "vlm", qos: str = QOS_INTERACTIVE, hypothesis: Sequence[int] | None = None,
                             on_delta: Callable[[int, "Delta"], None] | None = None,
@@ -636,7 +664,8 @@ class ModelHub:
         """One choice of :meth:`generate_many`: its request (with its own grammar constraint, which holds
         per-request matcher state), submitted and followed to its end."""
         n = len(ids)
-        procs = () if grammar is None else (grammar.constraint(n),)
+        bias, min_p = params.processors()
+        procs = bias + (() if grammar is None else (grammar.constraint(n),)) + min_p
         if prep is not None:
             req = m.make_request(prep, max_new, params, qos, hypothesis, procs)
         else:

@@ -49,3 +49,28 @@ def test_bench_mixed_dry_run_through_a_real_server(tmp_path):
     assert verdict["subtitle_cpu_share"] == alone["device_share"]["whisper"]
     assert (tmp_path / "bench_mixed.png").stat().st_size > 0
     assert "| this build | 1 |" in (tmp_path / "bench_mixed.md").read_text()
+
+
+def test_bench_structured_dry_run_on_tiny_models(tiny, tmp_path):
+    """``bench spec --real --structured``'s code on the tiny pair and the test vocabulary of test_structured.py:
+    every configuration gives the constrained baseline's outputs, finished ones validate, and the forced-token
+    drafter's share and the constraint's time per step are reported."""
+    from specstream.pipeline.bench_structured import markdown, run_structured
+    from specstream.stages.speculative.grammar import raw_vocab_info
+    from test_structured import EOS, PROMPTS, SCHEMA, VOCAB
+
+    res = run_structured(tiny.with_eos(EOS), tiny.noisy, raw_vocab_info(VOCAB, [EOS]),
+                         {"a": (PROMPTS[0], SCHEMA), "b": (PROMPTS[1], SCHEMA)},
+                         lambda ids: "".join(VOCAB[t] for t in ids), 40, 4, (EOS,), adaptive=False, log=lambda m: None)
+    assert set(res["configs"]) == {"constrained/no-spec", "constrained/grammar-only", "constrained/specinfer"}
+    for per in res["configs"].values():
+        assert set(per) == {"a", "b", "batch4"}
+        assert all(r["identical"] for r in per.values())
+        assert all(r["valid"] + r["cut"] == len(r["outputs"]) and r["valid"] >= 1 for r in per.values())
+    only = res["configs"]["constrained/grammar-only"]["batch4"]
+    # the forced tokens are the only draft: all accepted draft tokens but those of each request's last step (the
+    # executor tells drafters nothing on a request's finishing step)
+    assert 0.9 <= only["forced_share"] <= 1.0 and only["tau"] > 1.5 and only["forced_accepted"] > 0
+    base = res["configs"]["constrained/no-spec"]["batch4"]
+    assert base["tau"] == 1.0 and base["forced_proposed"] == 0 and base["mask_s_per_step"] > 0
+    assert "| constrained/specinfer | batch4 |" in markdown(res)

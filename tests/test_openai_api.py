@@ -190,9 +190,8 @@ def test_errors_raise_the_matching_exception_classes(client, server, media, src)
         client.chat.completions.create(model=VLM, messages=msgs, n=17)  # n > 1 works (tests/test_openai_n.py)
     assert e.value.code == "invalid_request" and e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=VLM, messages=msgs, tools=[{"type": "function", "function": {
-            "name": "f", "parameters": {}}}])
-    assert e.value.code == "unsupported_parameter"
+        client.chat.completions.create(model=VLM, messages=msgs, functions=[{"name": "f", "parameters": {}}])
+    assert e.value.code == "unsupported_parameter" and e.value.param == "functions"  # tools are supported
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.base + "/v1", api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError) as e:

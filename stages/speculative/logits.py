@@ -117,6 +117,76 @@ class NoRepeatNGram(LogitsProcessor):
         return scores
 
 
+class LogitBias(LogitsProcessor):
+    """Add ``bias[token]`` to that token's score at every position (OpenAI's ``logit_bias``: values in
+    [-100, 100]; -100 bans the token, 100 all but forces it). A function of the row alone, so it changes the
+    target's distribution the same way with or without speculation (invariants 1 and 2 hold for the biased
+    target).
+
+    Args:
+        bias: ``(token id, bias)`` pairs; ids at or past the vocabulary are ignored.
+    """
+
+    def __init__(self, bias: Sequence[tuple[int, float]]):
+        self.bias = tuple(sorted((int(t), float(v)) for t, v in bias))
+
+    def __call__(self, sequences, scores):
+        return self.apply_rows([self] * scores.shape[0], sequences, scores)
+
+    @classmethod
+    def apply_rows(cls, processors, sequences, scores):
+        """One ``[N, V]`` addition for all rows: the per-row biases are built as a dense ``[P, V]`` table of the
+        distinct processors and gathered by row."""
+        distinct: dict[tuple, int] = {}
+        row_of = [distinct.setdefault(p.bias, len(distinct)) for p in processors]
+        v = scores.shape[-1]
+        table = torch.zeros((len(distinct), v), dtype=scores.dtype)
+        for k, bias in enumerate(distinct):
+            ids = [t for t, _ in bias if 0 <= t < v]
+            if ids:
+                table[k, ids] = torch.tensor([b for t, b in bias if 0 <= t < v], dtype=scores.dtype)
+        table = table.to(scores.device)
+        if len(distinct) == 1:
+            scores += table
+        else:
+            scores += table[torch.tensor(row_of, device=scores.device)]
+        return scores
+
+
+class MinP(LogitsProcessor):
+    """Min-p sampling (Nguyen et al., "Turning Up the Heat: Min-p Sampling for Creative and Coherent LLM Outputs",
+    2024; vLLM's and llama.cpp's ``min_p``): remove every token whose probability at the request's temperature is
+    below ``min_p`` times the most likely token's. Computed on the scores without a softmax:
+    ``p_i < min_p * p_max`` at temperature ``T`` is ``s_i < s_max + T * log(min_p)``. With ``T = 0`` (greedy) the
+    argmax is kept and the filter changes nothing that greedy decoding commits (logprobs are then over the kept
+    tokens). One ``[N, V]`` comparison for all rows; no host sync.
+
+    Args:
+        min_p: in [0, 1]; 0 disables.
+        temperature: the request's sampling temperature (0: greedy).
+    """
+
+    def __init__(self, min_p: float, temperature: float):
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        self.min_p = float(min_p)
+        self.temperature = float(temperature)
+
+    def __call__(self, sequences, scores):
+        return self.apply_rows([self] * scores.shape[0], sequences, scores)
+
+    @classmethod
+    def apply_rows(cls, processors, sequences, scores):
+        import math
+
+        # [N, 1] log-threshold per row (a greedy row keeps the filter at its own temperature 1: see docstring)
+        margin = [(p.temperature if p.temperature > 0 else 1.0) * (math.log(p.min_p) if p.min_p > 0 else -math.inf)
+                  for p in processors]
+        m = torch.tensor(margin, dtype=scores.dtype, device=scores.device)[:, None]
+        top = scores.max(-1, keepdim=True).values
+        return scores.masked_fill(scores < top + m, float("-inf"))
+
+
 def apply_logits_processors(processors: Sequence[LogitsProcessor], sequences: Sequence[Sequence[int]],
                             scores: torch.Tensor) -> torch.Tensor:
     """Apply ``processors`` in order to ``scores`` ``[N, V]`` (a float32 copy is processed)."""
@@ -159,6 +229,8 @@ def apply_logits_processors_rows(per_row: Sequence[Sequence[LogitsProcessor]], s
         seqs = sequences if whole else [sequences[i] for i in rows]
         for k, cls in enumerate(classes):
             sub = cls.apply_rows([per_row[i][k] for i in rows], seqs, sub)
-        if not whole:
+        if whole:
+            out = sub  # a processor may return a new tensor rather than edit in place
+        else:
             out[idx] = sub
     return out
