@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -104,6 +105,9 @@ class RequestStats:
         }
 
 
+_JOIN_LOCK = threading.Lock()
+
+
 @dataclass
 class Request:
     """A text-generation request as the scheduler sees it (token ids, limits, state; no tensors).
@@ -163,19 +167,37 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     preemptions: int = 0
     prefilled: int = 0  # context tokens in the KV cache (a chunked prefill advances it step by step)
+    _joined_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.mm_inputs and not self.encodes:
             self.encodes = tuple(m.encode_item() for m in self.mm_inputs)
 
+    def _joined(self, key: str, prompt: list[int]) -> list[int]:
+        """``prompt + output_ids`` kept as one list that grows by the new tokens only: O(new tokens) per step
+        instead of a copy of the whole context per read (issue 20 item 7). Rebuilt when ``prompt`` or
+        ``output_ids`` was replaced or shrank. Callers read it and never change it."""
+        with _JOIN_LOCK:  # the event loop may read a length while the device thread extends
+            cached = self._joined_cache.get(key)
+            out = self.output_ids
+            if cached is None or cached[0] is not prompt or cached[1] is not out or cached[2] > len(out):
+                cached = [prompt, out, len(out), prompt + out]
+                self._joined_cache[key] = cached
+            elif cached[2] < len(out):
+                n = len(out)
+                cached[3].extend(out[cached[2]:n])
+                cached[2] = n
+            return cached[3]
+
     @property
     def context(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt + committed tokens (read-only: a list shared between reads)."""
+        return self._joined("target", self.prompt_ids)
 
     @property
     def draft_context(self) -> list[int]:
-        """What drafters see: the draft prompt (text only for a VLM) + committed tokens."""
-        return (self.prompt_ids if self.draft_prompt_ids is None else self.draft_prompt_ids) + self.output_ids
+        """What drafters see: the draft prompt (text only for a VLM) + committed tokens (read-only, shared)."""
+        return self._joined("draft", self.prompt_ids if self.draft_prompt_ids is None else self.draft_prompt_ids)
 
     @property
     def remaining(self) -> int:
