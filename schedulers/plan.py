@@ -10,6 +10,7 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from specstream.kernels.sampling import SamplingParams
 
@@ -266,6 +267,22 @@ class DecodeWork:
 
 
 @dataclass(frozen=True)
+class SlotRelease:
+    """A slot the executor must let go before the step: a finished request's (``StepPlan.released``: drop all its
+    executor state) or a preempted one's (``StepPlan.preempted``: free its KV cache, keep its record).
+
+    Attributes:
+        request_id: the request.
+        slot: its KV cache slot in ``model``'s executor.
+        model: the runner of the device loop that holds the slot (``"default"`` in a one-model engine).
+    """
+
+    request_id: str
+    slot: int
+    model: str = "default"
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """What the executor runs this step: encoder batches, then prefills and decode steps in one target forward.
 
@@ -277,9 +294,9 @@ class StepPlan:
     step: int
     prefills: tuple[PrefillWork, ...] = ()
     decodes: tuple[DecodeWork, ...] = ()
-    released: tuple[tuple[str, int], ...] = ()  # (request id, slot) whose executor state must be dropped
+    released: tuple[SlotRelease, ...] = ()  # finished: their executor state must be dropped
     encodes: tuple[EncodeWork, ...] = ()
-    preempted: tuple[tuple[str, int], ...] = ()  # (request id, slot) whose KV cache must be freed
+    preempted: tuple[SlotRelease, ...] = ()  # preempted: their KV cache must be freed
 
     @property
     def empty(self) -> bool:
@@ -364,3 +381,43 @@ def book_step_result(req: Request, res: RequestStepResult, now: float | None = N
         return True
     return False
 
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """What the device loop asks of a scheduler (FIFO and QoS both implement all of it; no feature probes).
+
+    ``schedule() -> StepPlan`` plans a step, the executors run it, ``update(StepOutput)`` books the results
+    (returns the requests that finished). The scheduler never touches tensors.
+    """
+
+    requests: dict[str, Request]
+    metrics: object | None  # Prometheus metrics (``SchedulerMetrics``) or None
+    multi_model: bool  # serves several runners (add_model, add_modality); FIFO: False
+
+    def add(self, request: Request) -> None: ...
+
+    def add_model(self, name: str, limits, memory_bytes: int = 0) -> None:
+        """Serve one more model; raises ValueError when the policy serves one model only."""
+
+    def add_modality(self, modality: str, batching=None) -> None:
+        """Batch encodes of ``modality`` too; raises ValueError when the policy plans no encodes."""
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Stop a request now (finished, reason ``cancelled``); None when unknown or already finished."""
+
+    def has_work(self) -> bool: ...
+
+    def schedule(self) -> StepPlan: ...
+
+    def update(self, output: StepOutput) -> list[Request]: ...
+
+    def observe(self, model: str, prefill_tokens: int, tokens: int, seconds: float) -> None:
+        """One model's measured step time (a cost-aware policy learns from it; others ignore it)."""
+
+    def next_event_s(self) -> float | None:
+        """Clock time of the next timed event (an encode batch falling due), None for none."""
+
+    def clock(self) -> float:
+        """The scheduler's monotonic seconds (``arrival_s``/``deadline_s`` are on it)."""
+
+    def pop_finished(self, request_id: str) -> Request: ...

@@ -357,10 +357,10 @@ class SpeculativeExecutor:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run ``plan``: draft, target forward(s), batched verification on the device, one host copy, commit."""
         t_start = time.perf_counter()
-        for entry in plan.released:  # (request id, slot[, model])
-            self.release(entry[0], entry[1])
-        for entry in plan.preempted:
-            self.preempt(entry[0], entry[1])
+        for rel in plan.released:
+            self.release(rel.request_id, rel.slot)
+        for rel in plan.preempted:
+            self.preempt(rel.request_id, rel.slot)
         for work in plan.prefills:
             self.admit(work.request)
         for work in plan.decodes:
