@@ -267,6 +267,38 @@ class DecodeWork:
 
 
 @dataclass(frozen=True)
+class TokenDelta:
+    """What one step committed for one request, as an immutable record made on the device thread and posted to
+    the caller's event loop (:meth:`DeviceLoop.submit`): the caller never reads a list the device thread extends.
+
+    Attributes:
+        request_id: the request.
+        new_tokens: the token ids committed in this step (empty for a step that only finished or failed it).
+        logprobs: their log-probabilities (natural log) when the request asked for them, else ``()``.
+        total: committed tokens of the request after this delta.
+        finished: the request ended in this step.
+        finish_reason: ``eos``, ``length``, ``cancelled``, ``error`` or None while it runs.
+        error: the request's error (``{"code", "message"}``) or None.
+    """
+
+    request_id: str
+    new_tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] = ()
+    total: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    error: dict | None = None
+
+    @staticmethod
+    def of(req: Request, new_tokens) -> "TokenDelta":
+        """The delta of ``req`` after a step that committed ``new_tokens`` (call on the device thread)."""
+        new = tuple(new_tokens)
+        lps = tuple(req.output_logprobs[len(req.output_logprobs) - len(new):]) if req.logprobs and new else ()
+        return TokenDelta(req.request_id, new, lps, len(req.output_ids), req.finished, req.finish_reason,
+                          None if req.error is None else dict(req.error))
+
+
+@dataclass(frozen=True)
 class SlotRelease:
     """A slot the executor must let go before the step: a finished request's (``StepPlan.released``: drop all its
     executor state) or a preempted one's (``StepPlan.preempted``: free its KV cache, keep its record).

@@ -36,7 +36,7 @@ from typing import Any
 
 from specstream.errors import ContextLengthError, InvalidRequestError, ModelNotLoadedError
 from specstream.kernels.sampling import SamplingParams
-from specstream.schedulers.plan import Request, RequestStepResult, StepOutput, StepPlan
+from specstream.schedulers.plan import Request, RequestStepResult, StepOutput, StepPlan, TokenDelta
 from specstream.stages.speculative.executor import SpeculativeExecutor
 
 TokenCallback = Callable[[Request, tuple[int, ...]], None]
@@ -428,18 +428,20 @@ class DeviceLoop:
             self._lock.notify()
         return fut
 
-    async def submit(self, request: Request, on_tokens: TokenCallback | None = None,
+    async def submit(self, request: Request, on_tokens: Callable[[TokenDelta], None] | None = None,
                      on_admitted: Callable[[], None] | None = None, **add_kwargs) -> Request:
-        """Queue ``request`` from an asyncio task and wait for it to finish. ``on_tokens`` and ``on_admitted``
-        (once the scheduler took the request) run in the caller's event loop. Cancelling the awaiting task cancels
-        the request (its slot is freed).
+        """Queue ``request`` from an asyncio task and wait for it to finish. ``on_tokens(delta)`` gets a
+        :class:`~specstream.schedulers.plan.TokenDelta` per step that committed tokens (or ended the request),
+        made on the device thread and run in the caller's event loop, in step order; ``on_admitted`` (once the
+        scheduler took the request) runs there too. Cancelling the awaiting task cancels the request (its slot
+        is freed).
 
         Raises:
             The refusal of the request (``CapacityError``, ``ModelNotLoadedError``, ``InvalidRequestError``).
         """
         aio = asyncio.get_running_loop()
-        cb = None if on_tokens is None else (
-            lambda req, toks, _f=on_tokens: aio.call_soon_threadsafe(_f, req, toks))
+        cb = None if on_tokens is None else (  # an immutable snapshot, never the live request
+            lambda req, toks, _f=on_tokens: aio.call_soon_threadsafe(_f, TokenDelta.of(req, toks)))
         admitted = None if on_admitted is None else (lambda _f=on_admitted: aio.call_soon_threadsafe(_f))
         self.start()
         fut = self.submit_threadsafe(request, cb, admitted, **add_kwargs)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from specstream.schedulers.fifo import FifoScheduler
@@ -78,3 +80,43 @@ def test_a_device_loop_serves_a_multi_model_scheduler_only_through_the_protocol(
         eng.step()
     assert b.finish_reason == "cancelled" and len(a.output_ids) == 6
     assert "b" not in eng.executor.states
+
+
+def test_tokens_reach_the_event_loop_as_immutable_deltas_while_the_device_thread_runs_on(tiny):
+    """The first delta's callback holds the event loop until the device thread has finished the request: every
+    later delta still carries only its own step's tokens (a callback reading ``req.output_ids`` would see them
+    all at once), and the deltas add up to the output."""
+    import asyncio
+    import time
+
+    from specstream.schedulers.plan import TokenDelta
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+    eng = SpeculativeEngine.from_checkpoints(tiny.target, [tiny.noisy], ngram=False,
+                                             config=EngineConfig(num_slots=2, max_len=64))
+    req = eng.make_request([3, 9, 27, 81], 12, logprobs=True, request_id="d")
+    seen: list[TokenDelta] = []
+
+    def on_tokens(delta):
+        assert isinstance(delta, TokenDelta)
+        if not seen:
+            deadline = time.monotonic() + 30
+            while not req.finished and time.monotonic() < deadline:  # the device thread runs on meanwhile
+                time.sleep(0.001)
+            assert req.finished
+        seen.append(delta)
+
+    async def main():
+        try:
+            return await eng.loop.submit(req, on_tokens=on_tokens)
+        finally:
+            eng.loop.stop()
+
+    done = asyncio.run(main())
+    assert len(seen) >= 2
+    assert [t for d in seen for t in d.new_tokens] == done.output_ids and len(done.output_ids) == 12
+    assert [d.total for d in seen] == list(itertools.accumulate(len(d.new_tokens) for d in seen))
+    assert [t for d in seen for t in d.logprobs] == done.output_logprobs
+    assert [d.finished for d in seen] == [False] * (len(seen) - 1) + [True] and seen[-1].finish_reason == "length"
+    with pytest.raises(AttributeError):
+        seen[0].new_tokens.append(1)  # a tuple: nobody extends it
