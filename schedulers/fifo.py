@@ -7,6 +7,7 @@ replaces this policy, not the loop.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from specstream.schedulers.plan import (
@@ -15,6 +16,7 @@ from specstream.schedulers.plan import (
     PrefillWork,
     Request,
     RequestStatus,
+    SlotRelease,
     StepOutput,
     StepPlan,
 )
@@ -42,7 +44,10 @@ class FifoScheduler:
         self.running: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.free_slots: list[int] = list(range(num_slots))[::-1]
-        self._released: list[tuple[str, int]] = []
+        self._released: list[SlotRelease] = []
+        self.metrics = None  # no Prometheus metrics of its own
+        self.multi_model = False
+        self.clock = time.monotonic
         self._step = 0
 
     # -- intake ---------------------------------------------------------------------------------------------
@@ -100,8 +105,43 @@ class FifoScheduler:
         self.running.pop(req.request_id, None)
         if req.slot is not None:
             self.free_slots.append(req.slot)
-            self._released.append((req.request_id, req.slot))
+            self._released.append(SlotRelease(req.request_id, req.slot, req.model))
 
     def pop_finished(self, request_id: str) -> Request:
         """Forget a finished request (the caller has its output)."""
         return self.requests.pop(request_id)
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Stop a request now: finished with reason ``cancelled`` (out of the queue, or its slot released at the
+        next step). Returns it, or None when it is unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is RequestStatus.FINISHED:
+            return None
+        req.finish_reason = "cancelled"
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req)
+        return req
+
+    def add_model(self, name: str, limits, memory_bytes: int = 0) -> None:
+        """FIFO serves one model.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError("this loop's scheduler serves one model")
+
+    def add_modality(self, modality: str, batching=None) -> None:
+        """FIFO plans no encodes.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError("the FIFO scheduler plans no encodes")
+
+    def observe(self, model: str, prefill_tokens: int, tokens: int, seconds: float) -> None:
+        """FIFO has no cost model: step times are ignored."""
+
+    def next_event_s(self) -> float | None:
+        """FIFO has no timed events."""
+        return None

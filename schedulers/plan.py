@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from specstream.kernels.sampling import SamplingParams
 
@@ -104,6 +106,9 @@ class RequestStats:
         }
 
 
+_JOIN_LOCK = threading.Lock()
+
+
 @dataclass
 class Request:
     """A text-generation request as the scheduler sees it (token ids, limits, state; no tensors).
@@ -163,19 +168,37 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     preemptions: int = 0
     prefilled: int = 0  # context tokens in the KV cache (a chunked prefill advances it step by step)
+    _joined_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.mm_inputs and not self.encodes:
             self.encodes = tuple(m.encode_item() for m in self.mm_inputs)
 
+    def _joined(self, key: str, prompt: list[int]) -> list[int]:
+        """``prompt + output_ids`` kept as one list that grows by the new tokens only: O(new tokens) per step
+        instead of a copy of the whole context per read (issue 20 item 7). Rebuilt when ``prompt`` or
+        ``output_ids`` was replaced or shrank. Callers read it and never change it."""
+        with _JOIN_LOCK:  # the event loop may read a length while the device thread extends
+            cached = self._joined_cache.get(key)
+            out = self.output_ids
+            if cached is None or cached[0] is not prompt or cached[1] is not out or cached[2] > len(out):
+                cached = [prompt, out, len(out), prompt + out]
+                self._joined_cache[key] = cached
+            elif cached[2] < len(out):
+                n = len(out)
+                cached[3].extend(out[cached[2]:n])
+                cached[2] = n
+            return cached[3]
+
     @property
     def context(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt + committed tokens (read-only: a list shared between reads)."""
+        return self._joined("target", self.prompt_ids)
 
     @property
     def draft_context(self) -> list[int]:
-        """What drafters see: the draft prompt (text only for a VLM) + committed tokens."""
-        return (self.prompt_ids if self.draft_prompt_ids is None else self.draft_prompt_ids) + self.output_ids
+        """What drafters see: the draft prompt (text only for a VLM) + committed tokens (read-only, shared)."""
+        return self._joined("draft", self.prompt_ids if self.draft_prompt_ids is None else self.draft_prompt_ids)
 
     @property
     def remaining(self) -> int:
@@ -244,6 +267,54 @@ class DecodeWork:
 
 
 @dataclass(frozen=True)
+class TokenDelta:
+    """What one step committed for one request, as an immutable record made on the device thread and posted to
+    the caller's event loop (:meth:`DeviceLoop.submit`): the caller never reads a list the device thread extends.
+
+    Attributes:
+        request_id: the request.
+        new_tokens: the token ids committed in this step (empty for a step that only finished or failed it).
+        logprobs: their log-probabilities (natural log) when the request asked for them, else ``()``.
+        total: committed tokens of the request after this delta.
+        finished: the request ended in this step.
+        finish_reason: ``eos``, ``length``, ``cancelled``, ``error`` or None while it runs.
+        error: the request's error (``{"code", "message"}``) or None.
+    """
+
+    request_id: str
+    new_tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] = ()
+    total: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    error: dict | None = None
+
+    @staticmethod
+    def of(req: Request, new_tokens) -> "TokenDelta":
+        """The delta of ``req`` after a step that committed ``new_tokens`` (call on the device thread)."""
+        new = tuple(new_tokens)
+        lps = tuple(req.output_logprobs[len(req.output_logprobs) - len(new):]) if req.logprobs and new else ()
+        return TokenDelta(req.request_id, new, lps, len(req.output_ids), req.finished, req.finish_reason,
+                          None if req.error is None else dict(req.error))
+
+
+@dataclass(frozen=True)
+class SlotRelease:
+    """A slot the executor must let go before the step: a finished request's (``StepPlan.released``: drop all its
+    executor state) or a preempted one's (``StepPlan.preempted``: free its KV cache, keep its record).
+
+    Attributes:
+        request_id: the request.
+        slot: its KV cache slot in ``model``'s executor.
+        model: the runner of the device loop that holds the slot (``"default"`` in a one-model engine).
+    """
+
+    request_id: str
+    slot: int
+    model: str = "default"
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """What the executor runs this step: encoder batches, then prefills and decode steps in one target forward.
 
@@ -255,9 +326,9 @@ class StepPlan:
     step: int
     prefills: tuple[PrefillWork, ...] = ()
     decodes: tuple[DecodeWork, ...] = ()
-    released: tuple[tuple[str, int], ...] = ()  # (request id, slot) whose executor state must be dropped
+    released: tuple[SlotRelease, ...] = ()  # finished: their executor state must be dropped
     encodes: tuple[EncodeWork, ...] = ()
-    preempted: tuple[tuple[str, int], ...] = ()  # (request id, slot) whose KV cache must be freed
+    preempted: tuple[SlotRelease, ...] = ()  # preempted: their KV cache must be freed
 
     @property
     def empty(self) -> bool:
@@ -342,3 +413,43 @@ def book_step_result(req: Request, res: RequestStepResult, now: float | None = N
         return True
     return False
 
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """What the device loop asks of a scheduler (FIFO and QoS both implement all of it; no feature probes).
+
+    ``schedule() -> StepPlan`` plans a step, the executors run it, ``update(StepOutput)`` books the results
+    (returns the requests that finished). The scheduler never touches tensors.
+    """
+
+    requests: dict[str, Request]
+    metrics: object | None  # Prometheus metrics (``SchedulerMetrics``) or None
+    multi_model: bool  # serves several runners (add_model, add_modality); FIFO: False
+
+    def add(self, request: Request) -> None: ...
+
+    def add_model(self, name: str, limits, memory_bytes: int = 0) -> None:
+        """Serve one more model; raises ValueError when the policy serves one model only."""
+
+    def add_modality(self, modality: str, batching=None) -> None:
+        """Batch encodes of ``modality`` too; raises ValueError when the policy plans no encodes."""
+
+    def cancel(self, request_id: str) -> Request | None:
+        """Stop a request now (finished, reason ``cancelled``); None when unknown or already finished."""
+
+    def has_work(self) -> bool: ...
+
+    def schedule(self) -> StepPlan: ...
+
+    def update(self, output: StepOutput) -> list[Request]: ...
+
+    def observe(self, model: str, prefill_tokens: int, tokens: int, seconds: float) -> None:
+        """One model's measured step time (a cost-aware policy learns from it; others ignore it)."""
+
+    def next_event_s(self) -> float | None:
+        """Clock time of the next timed event (an encode batch falling due), None for none."""
+
+    def clock(self) -> float:
+        """The scheduler's monotonic seconds (``arrival_s``/``deadline_s`` are on it)."""
+
+    def pop_finished(self, request_id: str) -> Request: ...

@@ -61,6 +61,7 @@ from specstream.schedulers.plan import (
     PrefillWork,
     Request,
     RequestStatus,
+    SlotRelease,
     StepOutput,
     StepPlan,
     book_step_result,
@@ -286,6 +287,7 @@ class QosScheduler:
         self.kv_budget = self.config.kv_budget
         self.clock = clock
         self.metrics = metrics
+        self.multi_model = True
         self.requests: dict[str, Request] = {}
         self.running: dict[str, Request] = {}  # prefilled, decoding
         self.prefilling: dict[str, Request] = {}  # admitted (slot held), prefill chunks still to run
@@ -295,8 +297,8 @@ class QosScheduler:
         self._encode_q: dict[str, list[tuple[str, EncodeItem, float]]] = {m: [] for m in self.encoders}
         self._in_flight: set[str] = set()  # encode item ids planned, not yet booked
         self._free: dict[str, list[int]] = {m: list(range(lim.num_slots))[::-1] for m, lim in self.limits.items()}
-        self._released: list[tuple[str, int, str]] = []  # (request id, slot, model)
-        self._preempted: list[tuple[str, int, str]] = []
+        self._released: list[SlotRelease] = []
+        self._preempted: list[SlotRelease] = []
         self._step = 0
         self._seq = 0
         self._admit_rank = 0
@@ -739,7 +741,7 @@ class QosScheduler:
     def _preempt(self, req: Request, now: float) -> None:
         self.running.pop(req.request_id, None)
         self.prefilling.pop(req.request_id, None)
-        self._preempted.append((req.request_id, req.slot, req.model))
+        self._preempted.append(SlotRelease(req.request_id, req.slot, req.model))
         self._free[req.model].append(req.slot)
         req.slot = None
         req.status = RequestStatus.WAITING
@@ -853,7 +855,7 @@ class QosScheduler:
             self._encode_q[modality] = [e for e in queue if e[0] != req.request_id]
         if req.slot is not None:
             self._free[req.model].append(req.slot)
-            self._released.append((req.request_id, req.slot, req.model))
+            self._released.append(SlotRelease(req.request_id, req.slot, req.model))
         if self.metrics and req.stats.target_steps:
             self.metrics.tau.labels(req.model, req.qos).observe(req.stats.tau)
 

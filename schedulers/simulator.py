@@ -228,11 +228,11 @@ class SimExecutor:
                 self._level_s = level if self._level_s is None else 0.8 * self._level_s + 0.2 * level
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        for rid, slot, *_ in plan.released:
+        for rid, slot in ((r.request_id, r.slot) for r in plan.released):
             self.lengths.pop(slot, None)
             self._carry.pop(rid, None)
             self._budgets.pop(rid, None)
-        for rid, slot, *_ in plan.preempted:
+        for rid, slot in ((r.request_id, r.slot) for r in plan.preempted):
             self.lengths.pop(slot, None)
         plan = self._gated(plan)
         encoded = tuple(EncodeResult(rid, item.item_id) for w in plan.encodes for rid, item in w.items)

@@ -36,7 +36,7 @@ from typing import Any
 
 from specstream.errors import ContextLengthError, InvalidRequestError, ModelNotLoadedError
 from specstream.kernels.sampling import SamplingParams
-from specstream.schedulers.plan import Request, RequestStepResult, StepOutput, StepPlan
+from specstream.schedulers.plan import Request, RequestStepResult, StepOutput, StepPlan, TokenDelta
 from specstream.stages.speculative.executor import SpeculativeExecutor
 
 TokenCallback = Callable[[Request, tuple[int, ...]], None]
@@ -190,8 +190,7 @@ class DeviceLoop:
         """
         if runner.name in self.runners:
             raise ValueError(f"a model named {runner.name!r} is already in the device loop")
-        add_model = getattr(self.scheduler, "add_model", None)
-        if add_model is None:
+        if not self.scheduler.multi_model:
             raise ValueError("this loop's scheduler serves one model")
         if self._thread is not None and threading.get_ident() != self._thread.ident:
             import concurrent.futures
@@ -280,8 +279,7 @@ class DeviceLoop:
         self._cancel_now(request_id)
 
     def _cancel_now(self, request_id: str) -> None:
-        cancel = getattr(self.scheduler, "cancel", None)
-        req = cancel(request_id) if cancel is not None else None
+        req = self.scheduler.cancel(request_id)
         if req is None:
             return
         self._end(req)
@@ -322,12 +320,10 @@ class DeviceLoop:
             parts[p.request.model]["prefills"].append(p)
         for d in plan.decodes:
             parts[d.request.model]["decodes"].append(d)
-        for entry in plan.released:  # (request id, slot, model) from a multi-model scheduler
-            model = entry[2] if len(entry) > 2 else next(iter(self.runners))
-            parts[model]["released"].append(entry)
-        for entry in plan.preempted:
-            model = entry[2] if len(entry) > 2 else next(iter(self.runners))
-            parts[model]["preempted"].append(entry)
+        for rel in plan.released:  # SlotRelease: each names its model
+            parts[rel.model]["released"].append(rel)
+        for rel in plan.preempted:
+            parts[rel.model]["preempted"].append(rel)
         for work in plan.encodes:
             owner = next((n for n, r in self.runners.items() if r.executor.handles(work.modality)), None)
             if owner is None:  # nobody encodes it: the executor answers with a clear error per item
@@ -356,13 +352,11 @@ class DeviceLoop:
             t0 = time.perf_counter()
             out: StepOutput = self.runners[name].executor.execute(part)
             self.device_seconds[name] = self.device_seconds.get(name, 0.0) + (time.perf_counter() - t0)
-            metrics = getattr(self.scheduler, "metrics", None)
+            metrics = self.scheduler.metrics
             if metrics is not None:
                 metrics.device_seconds.labels(name).inc(time.perf_counter() - t0)
-            observe = getattr(self.scheduler, "observe", None)
-            if observe is not None:
-                pre = sum(p.num_tokens for p in part.prefills)
-                observe(name, pre, pre + sum(d.node_budget for d in part.decodes), out.duration_s)
+            pre = sum(p.num_tokens for p in part.prefills)
+            self.scheduler.observe(name, pre, pre + sum(d.node_budget for d in part.decodes), out.duration_s)
             results.extend(out.results)
             encoded.extend(out.encoded)
             forwards += out.target_forwards
@@ -434,18 +428,20 @@ class DeviceLoop:
             self._lock.notify()
         return fut
 
-    async def submit(self, request: Request, on_tokens: TokenCallback | None = None,
+    async def submit(self, request: Request, on_tokens: Callable[[TokenDelta], None] | None = None,
                      on_admitted: Callable[[], None] | None = None, **add_kwargs) -> Request:
-        """Queue ``request`` from an asyncio task and wait for it to finish. ``on_tokens`` and ``on_admitted``
-        (once the scheduler took the request) run in the caller's event loop. Cancelling the awaiting task cancels
-        the request (its slot is freed).
+        """Queue ``request`` from an asyncio task and wait for it to finish. ``on_tokens(delta)`` gets a
+        :class:`~specstream.schedulers.plan.TokenDelta` per step that committed tokens (or ended the request),
+        made on the device thread and run in the caller's event loop, in step order; ``on_admitted`` (once the
+        scheduler took the request) runs there too. Cancelling the awaiting task cancels the request (its slot
+        is freed).
 
         Raises:
             The refusal of the request (``CapacityError``, ``ModelNotLoadedError``, ``InvalidRequestError``).
         """
         aio = asyncio.get_running_loop()
-        cb = None if on_tokens is None else (
-            lambda req, toks, _f=on_tokens: aio.call_soon_threadsafe(_f, req, toks))
+        cb = None if on_tokens is None else (  # an immutable snapshot, never the live request
+            lambda req, toks, _f=on_tokens: aio.call_soon_threadsafe(_f, TokenDelta.of(req, toks)))
         admitted = None if on_admitted is None else (lambda _f=on_admitted: aio.call_soon_threadsafe(_f))
         self.start()
         fut = self.submit_threadsafe(request, cb, admitted, **add_kwargs)
@@ -496,9 +492,8 @@ class DeviceLoop:
                 return
             with self._lock:
                 if not (self._submitted or self._cancels or self._adds or self._calls or self._stopping):
-                    nxt = getattr(self.scheduler, "next_event_s", lambda: None)()
-                    clock = getattr(self.scheduler, "clock", time.monotonic)
-                    timeout = None if nxt is None else max(0.0, nxt - clock())
+                    nxt = self.scheduler.next_event_s()
+                    timeout = None if nxt is None else max(0.0, nxt - self.scheduler.clock())
                     self._lock.wait(timeout)
 
     def _fail_all(self, exc: Exception) -> None:

@@ -49,6 +49,7 @@ from specstream.errors import (
     SpecstreamError,
     UnsupportedParameterError,
 )
+from specstream.schedulers.plan import TokenDelta
 
 QOS_BATCH = "batch"
 QOS_INTERACTIVE = "interactive"
@@ -675,11 +676,13 @@ class ModelHub:
             finished = await self.loop.submit(req, on_tokens=stream.on_tokens, on_admitted=on_admitted)
         except asyncio.CancelledError:  # the loop cancelled the request: its slot is freed before the next step
             self.cancelled += 1
+            if not stream.logged:  # the tokens the caller received (deltas), not a list the device thread extends
+                stream.log_finished(len(stream.tokens), "cancelled")
             raise
         if finished.finish_reason == "cancelled" and not stream.stopped:
             raise asyncio.CancelledError()
         if not stream.logged:
-            stream.log_finished(finished)
+            stream.log_finished(len(finished.output_ids), finished.finish_reason)
         if finished.error:
             err = SpecstreamError(finished.error.get("message", "generation failed"))
             err.code = finished.error.get("code", SpecstreamError.code)
@@ -840,29 +843,29 @@ class _Stream:
 
     logged = False
 
-    def log_finished(self, req) -> None:
+    def log_finished(self, tokens: int, finish_reason: str | None) -> None:
         self.logged = True
-        self.log.append({"model": self.m.info.id, "qos": self.qos, "tokens": len(req.output_ids),
-                         "finish_reason": "cancelled" if self.stopped or req.finish_reason == "cancelled"
-                         else req.finish_reason})
+        self.log.append({"model": self.m.info.id, "qos": self.qos, "tokens": tokens,
+                         "finish_reason": "cancelled" if self.stopped or finish_reason == "cancelled"
+                         else finish_reason})
 
-    def on_tokens(self, req, new_tokens) -> None:
-        if req.finished and not self.logged:
-            self.log_finished(req)
+    def on_tokens(self, delta: TokenDelta) -> None:
+        """One step's immutable delta, in the event loop (the device thread never extends what is read here)."""
+        if delta.finished and not self.logged:
+            self.log_finished(delta.total, delta.finish_reason)
         if self.cut is not None:
             return
         k0 = len(self.tokens)
-        self.tokens = list(req.output_ids)
-        if req.output_logprobs:
-            self.logprobs = list(req.output_logprobs)
-        new = self.tokens[k0:]
+        self.tokens.extend(delta.new_tokens)
+        self.logprobs.extend(delta.logprobs)
+        new = list(delta.new_tokens)
         if self.params.stop:
             self._check_stop(k0)
         if self.cut is not None:
             new = self.tokens[k0:self.cut]
         if self.on_delta is None:
             return
-        text = self.text(final=req.finished or self.cut is not None)
+        text = self.text(final=delta.finished or self.cut is not None)
         released = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
         self.sent_text += released
         if new or released:

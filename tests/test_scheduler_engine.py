@@ -58,7 +58,7 @@ def test_preempted_and_resumed_output_is_unchanged(ckpts):
     engine.step()
     plan = engine.scheduler.last_plan
     assert [p.request.request_id for p in plan.prefills] == ["rt"]
-    assert [e[0] for e in plan.preempted] == ["b2"]  # the most recently admitted batch request
+    assert [e.request_id for e in plan.preempted] == ["b2"]  # the most recently admitted batch request
     engine.run()
     assert batch[2].preemptions == 1 and rt.finish_reason == "length"
     for got, want in zip(batch, ref):
@@ -203,7 +203,7 @@ def test_preemption_across_models_leaves_outputs_unchanged(ckpts):
     loop.step()
     plan = loop.scheduler.last_plan
     assert [p.request.request_id for p in plan.prefills] == ["rt"]
-    assert [e[0] for e in plan.preempted] == ["b1"] and plan.preempted[0][2] == "a"  # another model's memory
+    assert [e.request_id for e in plan.preempted] == ["b1"] and plan.preempted[0].model == "a"  # another model's memory
     loop.run()
     assert batch[1].preemptions == 1 and rt.finish_reason == "length" and len(rt.output_ids) == 20
     for got, want in zip(batch, ref):

@@ -6,7 +6,7 @@ import pytest
 
 from specstream.errors import CapacityError, InvalidRequestError
 from specstream.schedulers.metrics import SchedulerMetrics
-from specstream.schedulers.plan import EncodeItem, EncodeResult, Request, RequestStepResult, StepOutput
+from specstream.schedulers.plan import EncodeItem, EncodeResult, Request, RequestStepResult, SlotRelease, StepOutput
 from specstream.schedulers.qos import EncodeBatching, QosConfig, QosScheduler
 from specstream.schedulers.simulator import VirtualClock
 
@@ -66,7 +66,7 @@ def test_reserved_slot_and_preemption_of_batch_by_realtime():
     s.add(req("r2", "realtime", 4))
     plan = s.schedule()
     # no free slot: the most recently admitted batch request is preempted; its KV is freed
-    assert plan.preempted == (("b1", 1, "default"),)
+    assert plan.preempted == (SlotRelease("b1", 1, "default"),)
     assert prefills(plan) == [("r2", 1, 4)]
     assert [d[0] for d in decodes(plan)] == ["r1", "b0"]
     b1 = s.requests["b1"]
@@ -82,7 +82,8 @@ def test_reserved_slot_and_preemption_of_batch_by_realtime():
         1, 0, 0.01)
     s.update(out)
     plan = s.schedule()
-    assert sorted(plan.released) == [("r1", 2, "default"), ("r2", 1, "default")]
+    assert sorted(plan.released, key=lambda r: r.request_id) == [SlotRelease("r1", 2, "default"),
+                                                                  SlotRelease("r2", 1, "default")]
     assert prefills(plan) == [("b1", 1, 6 + 2)]
 
 

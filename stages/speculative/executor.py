@@ -46,7 +46,7 @@ from specstream.schedulers.costmodel import SpecGate, StepCostFit
 from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
 from specstream.stages.speculative.drafters.grammar import GrammarDrafter
 from specstream.stages.speculative.grammar import DraftView, grammar_constraint_of
-from specstream.stages.speculative.logits import apply_logits_processors, apply_logits_processors_rows
+from specstream.stages.speculative.logits import History, apply_logits_processors, apply_logits_processors_rows
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
 from specstream.stages.speculative.tree import CompiledTrees, TokenTree, ancestor_matrix, compile_trees
 
@@ -357,10 +357,10 @@ class SpeculativeExecutor:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run ``plan``: draft, target forward(s), batched verification on the device, one host copy, commit."""
         t_start = time.perf_counter()
-        for entry in plan.released:  # (request id, slot[, model])
-            self.release(entry[0], entry[1])
-        for entry in plan.preempted:
-            self.preempt(entry[0], entry[1])
+        for rel in plan.released:
+            self.release(rel.request_id, rel.slot)
+        for rel in plan.preempted:
+            self.preempt(rel.request_id, rel.slot)
         for work in plan.prefills:
             self.admit(work.request)
         for work in plan.decodes:
@@ -661,11 +661,21 @@ class SpeculativeExecutor:
         out: list[torch.Tensor | None] = [None] * len(rows)
         if not attn:
             return out
+        have = [i for i, row in enumerate(rows) if row.request.visual_span is not None]
+        if not have:
+            return out
         stacked = torch.stack([attn[layer] for layer in sorted(attn)]).mean(0).mean(1)  # [B, T, S]
-        for i, row in enumerate(rows):
-            span = row.request.visual_span
-            if span is not None:
-                out[i] = stacked[i, : len(row.tokens), span[0]:span[1]].float().cpu()
+        spans = [rows[i].request.visual_span for i in have]
+        width = max(e - s for s, e in spans)
+        dev = stacked.device
+        # one gather of every row's span, padded to the widest, and one host copy for the whole step
+        start = torch.tensor([s for s, _ in spans], device=dev)
+        cols = (start[:, None] + torch.arange(width, device=dev)[None, :]).clamp(max=stacked.shape[-1] - 1)
+        sel = stacked.index_select(0, torch.tensor(have, device=dev))  # [H, T, S]
+        block = sel.gather(2, cols[:, None, :].expand(-1, sel.shape[1], -1)).float().cpu()  # [H, T, W]
+        for k, i in enumerate(have):
+            s, e = spans[k]
+            out[i] = block[k, : len(rows[i].tokens), : e - s]  # views of the one copy
         return out
 
     def _process_logits(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
@@ -690,13 +700,18 @@ class SpeculativeExecutor:
         logits[bi, ri] = apply_logits_processors_rows(per_row, seqs, logits[bi, ri]).to(logits.dtype)
         return logits
 
-    def _histories(self, row: _Row) -> list[list[int]]:
+    def _histories(self, row: _Row) -> list[History]:
         """Per logits row, the tokens before the one it predicts: the prefilled tokens (prefill), or context +
-        the draft tokens on the tree path root -> node (decode)."""
+        the draft tokens on the tree path root -> node (decode). Views (:class:`~.logits.History`), not copies:
+        O(nodes x depth) per step whatever the context length."""
+        req = row.request
         if row.tree is None:
-            return [row.request.context[: row.prefix + len(row.tokens)]]
-        context = row.request.context
-        return [context + row.tree.path_tokens(i) for i in range(len(row.tokens))]
+            return [History(req.prompt_ids, req.output_ids, stop=row.prefix + len(row.tokens))]
+        tree = row.tree
+        paths: list[tuple[int, ...]] = [()]
+        for i in range(1, len(tree)):  # parents precede children: each path is its parent's plus one token
+            paths.append(paths[tree.parents[i]] + (tree.tokens[i],))
+        return [History(req.prompt_ids, req.output_ids, p) for p in paths]
 
     # -- commit ---------------------------------------------------------------------------------------------
     def _commit(self, rows: list[_Row], host: list[list[float]], width: int, want_lp: bool,
@@ -725,7 +740,7 @@ class SpeculativeExecutor:
                 path_nodes = path_nodes[: row.tree.depths[last] + 1]
                 accepted = [row.tree.tokens[n] for n in path_nodes[1:]]
             proposed = accepted + [bonus]
-            limit = min(req.remaining, self.max_len - len(req.context))
+            limit = min(req.remaining, self.max_len - len(req.prompt_ids) - len(req.output_ids))  # no context copy
             new, reason = [], None
             for tok in proposed:
                 new.append(tok)

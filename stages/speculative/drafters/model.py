@@ -30,6 +30,7 @@ import torch
 
 from specstream.kernels.sampling import SamplingParams, warp_logits
 from specstream.stages.speculative.drafters.base import DraftInput, Drafter
+from specstream.stages.speculative.logits import History
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
 from specstream.kernels.tree_attention import tree_mask
 from specstream.kernels.verification import sample_inverse_cdf
@@ -267,7 +268,7 @@ class ModelDrafter(Drafter):
             return logits
         logits = logits.float().clone()  # the forward's output may be an inference tensor
         for i, rs in by_req.items():
-            hist = [inputs[i].context + trees[i].path_tokens(rows[r][1]) for r in rs]
+            hist = [History(inputs[i].context, trees[i].path_tokens(rows[r][1])) for r in rs]  # views, no copy
             idx = torch.tensor(rs, device=logits.device)
             logits[idx] = inputs[i].constraint.apply(hist, logits[idx], len(inputs[i].context))
         return logits
