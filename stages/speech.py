@@ -899,8 +899,8 @@ def transcribe_main(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=4, help="windows decoded together (--without-timestamps)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (default cpu)")
     parser.add_argument("--dtype", default="float32",
-                        help="Whisper weight precision: float32, float16, bfloat16 (int8/int4 are not wired for "
-                             "the Whisper decoder yet: a typed error)")
+                        help="Whisper weight precision (encoder and decoder): float32, float16, bfloat16, int8, "
+                             "int4 (weight-only, bfloat16 activations)")
     parser.add_argument("--stats", action="store_true", help="print transcription info as JSON on stderr")
     try:
         args = parser.parse_args(argv)
@@ -919,9 +919,7 @@ def transcribe_main(argv: list[str]) -> int:
         from specstream.stages.speculative.models.loader import weight_format
 
         try:
-            if weight_format(args.dtype, args.device).quantized:
-                raise UnsupportedDtypeError(f"dtype {args.dtype} is not wired for the Whisper decoder yet; "
-                                            f"available for speech: float32, float16, bfloat16")
+            weight_format(args.dtype, args.device)  # exit 2 before anything loads
         except UnsupportedDtypeError as exc:
             print(error_line(exc.code, exc.message, as_json), file=sys.stderr)
             return 2
