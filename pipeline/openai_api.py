@@ -1025,6 +1025,17 @@ async def _transcription(request: Request, state: OpenAIState) -> Response:
         if not await asyncio.to_thread(has_audio_stream, path):  # by content: a container with an audio stream
             raise _param(UnsupportedMediaError(f"{shown}: no audio stream found in the file"), "file")
         state.admit()
+        if stream:  # each segment's text is sent as its window is decoded; the task owns the upload and the slot
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            task = asyncio.create_task(hub.transcribe(
+                path, language=language, prompt=prompt, qos=QOS_INTERACTIVE,
+                on_segment=lambda seg: loop.call_soon_threadsafe(queue.put_nowait, seg)))
+            owned = tmpdir
+            task.add_done_callback(lambda _: (state.release(), shutil.rmtree(owned, ignore_errors=True)))
+            tmpdir = None
+            return StreamingResponse(_transcription_events(task, queue), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         try:
             tr = await hub.transcribe(path, language=language, prompt=prompt, word_timestamps="word" in grains,
                                       qos=QOS_INTERACTIVE)
@@ -1034,8 +1045,6 @@ async def _transcription(request: Request, state: OpenAIState) -> Response:
         await form.close()
         if tmpdir:
             shutil.rmtree(tmpdir, ignore_errors=True)
-    if stream:
-        return StreamingResponse(_transcription_events(tr), media_type="text/event-stream")
     return _transcription_response(tr, fmt, grains)
 
 
@@ -1054,14 +1063,42 @@ def _stream_flag(value, fmt: str) -> bool:
     return True
 
 
-async def _transcription_events(tr):
-    """OpenAI's transcription stream: one ``transcript.text.delta`` per segment (the deltas concatenate to the
-    text), then ``transcript.text.done`` with the whole text. The speech path returns the segments of a file
-    together, so the deltas all come once the file is decoded."""
-    parts = [s.text.strip() for s in tr.segments if s.text.strip()]
-    for i, text in enumerate(parts):
-        yield _sse({"type": "transcript.text.delta", "delta": (" " if i else "") + text})
-    yield _sse({"type": "transcript.text.done", "text": tr.text})
+async def _transcription_events(task: asyncio.Task, queue: asyncio.Queue):
+    """OpenAI's transcription stream: one ``transcript.text.delta`` per segment, sent as soon as the segment's
+    window is decoded (``queue`` receives the hub's ``TranscriptSegment`` from the decoding thread; the deltas
+    concatenate to the text), then ``transcript.text.done`` with the whole text. An error after the first byte
+    (the status is sent) is an ``error`` event in OpenAI's body; a client that goes away cancels ``task``."""
+    done = asyncio.Event()
+    task.add_done_callback(lambda _: done.set())
+    sent = 0
+    try:
+        while True:
+            if queue.empty():
+                getter = asyncio.create_task(queue.get())
+                ender = asyncio.create_task(done.wait())
+                await asyncio.wait({getter, ender}, return_when=asyncio.FIRST_COMPLETED)
+                ender.cancel()
+                if not getter.done():
+                    getter.cancel()
+                    if queue.empty():
+                        break
+                    continue
+                seg = getter.result()
+            else:
+                seg = queue.get_nowait()
+            text = seg.text.strip()
+            if text:
+                yield _sse({"type": "transcript.text.delta", "delta": (" " if sent else "") + text})
+                sent += 1
+        try:
+            tr = task.result()
+        except Exception as exc:  # noqa: BLE001  after the first byte the status is sent: an error event
+            yield _sse(json.loads(exception_response(exc).body))
+            return
+        yield _sse({"type": "transcript.text.done", "text": tr.text})
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def _transcription_response(tr, fmt: str, grains: set[str]) -> Response:

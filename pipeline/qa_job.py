@@ -537,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default float32)")
     p.add_argument("--draft-dtype", default=None, help="weight precision of the drafts (default: --dtype)")
     p.add_argument("--speech-dtype", default=None,
-                   help="weight precision of the Whisper model: float32 or bfloat16 (default: --dtype)")
+                   help="weight precision of the Whisper model: float32, bfloat16, int8, int4 (default: --dtype)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (default cpu)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="--broker: give up after this long without a "
                                                                   "result (default 600)")

@@ -85,7 +85,7 @@ class ServerSettings(BaseSettings):
         clip_model, clip_pretrained: open_clip architecture (or model-config JSON) and local weights: a chat
             ``video_url``'s frames are chosen by similarity to the message (None: spread over the scenes).
         caption_dtype, speech_dtype: weight precision of the caption VLM (and its draft) and of Whisper
-            (``loader.weight_format``: float32, bfloat16, int8, int4, int4-g64; Whisper: float32, bfloat16).
+            (``loader.weight_format``: float32, bfloat16, int8, int4, int4-g64; for Whisper too).
         max_openai_requests: OpenAI-compatible requests in flight; more are answered 429.
         chat_video_frames: keyframes a chat ``video_url`` contributes, at most.
         speech_slots: KV cache slots of the Whisper runner (subtitle windows decoded at once).
@@ -1081,7 +1081,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="weight precision of the caption VLM and its draft: float32, bfloat16, int8, int4, "
                              "int4-g64 (SPECSTREAM_CAPTION_DTYPE; default float32)")
     parser.add_argument("--speech-dtype", default=None,
-                        help="weight precision of Whisper: float32 or bfloat16 (SPECSTREAM_SPEECH_DTYPE)")
+                        help="weight precision of Whisper: float32, bfloat16, int8, int4 (SPECSTREAM_SPEECH_DTYPE)")
     parser.add_argument("--log-level", default="info",
                         help="uvicorn log level: debug, info, warning, error (default info)")
     return parser

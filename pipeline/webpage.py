@@ -3,7 +3,8 @@ the live subtitles. The browser's audio runs at 48 kHz: the page sends float32 s
 rate and declares it in the start message (the server resamples). With API keys configured the page is opened as
 ``/subtitles?token=KEY``: the script takes the key out of the address bar (``history.replaceState``) and sends it
 as the WebSocket subprotocol ``specstream.key.<base64url(KEY)>`` beside ``specstream`` (a browser's WebSocket API
-can set no header), never in the WebSocket's URL. ``?speed=N`` streams a file N times faster than real time
+can set no header), never in the WebSocket's URL. A ``warning`` event (``falling_behind``: the passes are slower
+than the audio) is shown above the status line, with its real-time factor. ``?speed=N`` streams a file N times faster than real time
 (tests)."""
 
 SUBTITLES_HTML = r"""<!doctype html>
@@ -17,6 +18,8 @@ SUBTITLES_HTML = r"""<!doctype html>
  #partial { color: #888; font-style: italic; }
  #subs { font-size: 1.4em; min-height: 4em; border: 1px solid #ccc; padding: .5em; }
  #status { color: #555; font-size: .9em; }
+ #warning { color: #8a4b00; background: #fff4e0; padding: .3em .5em; }
+ #warning:empty { display: none; }
 </style>
 </head>
 <body>
@@ -28,6 +31,7 @@ SUBTITLES_HTML = r"""<!doctype html>
  <button id="stop" disabled>Stop</button>
 </p>
 <div id="subs"><span id="finals"></span> <span id="partial"></span></div>
+<p id="warning" role="alert"></p>
 <p id="status">idle</p>
 <script>
 "use strict";
@@ -73,6 +77,9 @@ function openSocket(rate) {
         $("partial").textContent = "";
       } else if (m.type === "partial") {
         $("partial").textContent = m.text;
+      } else if (m.type === "warning") {  // e.g. falling_behind: passes slower than the audio (rtf > 1)
+        $("warning").textContent = m.message + (m.rtf !== undefined ? ` (real-time factor ${m.rtf})` : "");
+        $("warning").dataset.code = m.code || "";
       } else if (m.type === "done") {
         $("status").textContent = "done";
       }

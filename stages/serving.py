@@ -717,7 +717,8 @@ class ModelHub:
 
     async def transcribe(self, source: str | os.PathLike | np.ndarray, *, language: str | None = None,
                          prompt: str | None = None, word_timestamps: bool = False,
-                         qos: str = QOS_BATCH) -> Transcription:
+                         qos: str = QOS_BATCH,
+                         on_segment: Callable[[TranscriptSegment], None] | None = None) -> Transcription:
         """Transcribe an audio file, a video's audio track (whole; nothing skipped) or 16 kHz mono samples, with
         segment times. A file without an audio stream gives an empty transcript with ``has_audio`` False.
 
@@ -727,6 +728,8 @@ class ModelHub:
             word_timestamps: word times, where the speech path computes them.
             qos: the class of the decoding work (the device loop honours it; today each transcription runs in an
                 engine of its own).
+            on_segment: called with each segment as soon as its window is decoded (on the decoding thread: hand it
+                to the event loop with ``call_soon_threadsafe``); the result holds the same segments.
 
         Raises:
             AudioDecodeError (corrupt audio), UnsupportedParameterError, InvalidRequestError (unknown language).
@@ -754,18 +757,13 @@ class ModelHub:
             kwargs["timestamps"] = True
         if "qos" in params:
             kwargs["qos"] = qos
+        if on_segment is not None:
+            kwargs["on_segment"] = lambda s: on_segment(_transcript_segment(s))
         if self._transcribe_lock is None:
             self._transcribe_lock = asyncio.Lock()
         async with self._transcribe_lock:  # one offline transcription at a time per process (CPU bound)
             tr = await asyncio.to_thread(speech.transcribe, source, sm, **kwargs)
-        segs = []
-        for s in tr.segments:
-            words = tuple(Word(float(w.start_s if hasattr(w, "start_s") else w.start),
-                               float(w.end_s if hasattr(w, "end_s") else w.end),
-                               str(getattr(w, "word", getattr(w, "text", ""))))
-                          for w in getattr(s, "words", ()) or ())
-            segs.append(TranscriptSegment(float(s.start_s), float(s.end_s), s.text, words,
-                                          getattr(s, "avg_logprob", None), getattr(s, "no_speech_prob", None)))
+        segs = [_transcript_segment(s) for s in tr.segments]
         lang = getattr(tr.info, "language", None) or language or "en"
         return Transcription(tuple(segs), lang, float(tr.info.duration_s), True)
 
@@ -1024,3 +1022,12 @@ def has_audio_stream(path: str | os.PathLike) -> bool:
     except Exception:
         return False
 
+
+def _transcript_segment(s) -> TranscriptSegment:
+    """The hub's :class:`TranscriptSegment` of a speech path's segment (``stages.speech.Segment``)."""
+    words = tuple(Word(float(w.start_s if hasattr(w, "start_s") else w.start),
+                       float(w.end_s if hasattr(w, "end_s") else w.end),
+                       str(getattr(w, "word", getattr(w, "text", ""))))
+                  for w in getattr(s, "words", ()) or ())
+    return TranscriptSegment(float(s.start_s), float(s.end_s), s.text, words,
+                             getattr(s, "avg_logprob", None), getattr(s, "no_speech_prob", None))

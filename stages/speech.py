@@ -32,10 +32,10 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -662,6 +662,13 @@ class _Run:
     windows: int = 0
     tokens: int = 0
     steps: int = 0
+    #: called with each segment as it is decoded (source times), or None
+    on_segment: Callable[[Segment], None] | None = None
+    tmap: Any = None  # _TimeMap of the VAD gate, or None
+
+    def emit(self, seg: Segment) -> None:
+        if self.on_segment is not None:
+            self.on_segment(self.tmap.segment(seg) if self.tmap is not None else seg)
 
 
 def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str | os.PathLike | None = None, *,
@@ -670,7 +677,8 @@ def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str 
                vad_filter: bool = True, condition_on_previous_text: bool = False,
                no_speech_threshold: float | None = 0.6, log_prob_threshold: float | None = -1.0,
                max_initial_timestamp_s: float = 1.0, batch_size: int = 4, device: str = "cpu",
-               dtype: str = "float32", qos: str = "interactive") -> Transcript:
+               dtype: str = "float32", qos: str = "interactive",
+               on_segment: Callable[[Segment], None] | None = None) -> Transcript:
     """Transcribe an audio file, a video's audio track, or 16 kHz mono float32 samples.
 
     With ``timestamps`` (default): Whisper's sequential long-form transcription (see the module docstring), one
@@ -687,6 +695,9 @@ def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str 
             off here, as a misreading then cannot propagate).
         no_speech_threshold, log_prob_threshold: the silence rule (:func:`no_speech`); None switches it off.
         qos: the QoS class of the decoding work when ``model`` is bound to a device loop (:meth:`SpeechModel.bind`).
+        on_segment: called (on this thread) with each :class:`Segment`, in source times, as soon as its window is
+            decoded, before the next window is: what a streaming caller sends on at once. The returned transcript
+            holds the same segments.
 
     Raises:
         UnreadableSourceError (missing, a directory, empty), AudioDecodeError, CheckpointNotFoundError,
@@ -714,7 +725,7 @@ def transcribe(source: str | os.PathLike | np.ndarray, model: SpeechModel | str 
     clips = [(0, n_frames)] if n_frames else []
     engine = sm.new_engine(drafter if speculate else "none", num_slots=max(1, batch_size if not timestamps else 1),
                            qos=qos)
-    run = _Run()
+    run = _Run(on_segment=on_segment, tmap=tmap)
     lang_prob = 1.0
     detected = language is None
     if language is None:
@@ -802,6 +813,7 @@ def _transcribe_timestamped(sm: SpeechModel, engine, mel, clips, language, task,
                 history.extend(s.text_tokens(sm.tokens.eot))
                 out.append(Segment(s.start_s, s.end_s, text, tuple(s.tokens), tuple(s.words or ()),
                                    round(res.avg_logprob, 4), round(probe.no_speech_prob, 4)))
+                run.emit(out[-1])
     return out
 
 
@@ -825,6 +837,7 @@ def _transcribe_windows(sm: SpeechModel, engine, mel, clips, language, task, spe
                 continue
             out.append(Segment(round(s / FRAMES_PER_SECOND, 3), round((s + n) / FRAMES_PER_SECOND, 3), res.text,
                                res.tokens, (), round(res.avg_logprob, 4), round(pr.no_speech_prob, 4)))
+            run.emit(out[-1])
     return out
 
 
@@ -899,8 +912,8 @@ def transcribe_main(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=4, help="windows decoded together (--without-timestamps)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (default cpu)")
     parser.add_argument("--dtype", default="float32",
-                        help="Whisper weight precision: float32, float16, bfloat16 (int8/int4 are not wired for "
-                             "the Whisper decoder yet: a typed error)")
+                        help="Whisper weight precision (encoder and decoder): float32, float16, bfloat16, int8, "
+                             "int4 (weight-only, bfloat16 activations)")
     parser.add_argument("--stats", action="store_true", help="print transcription info as JSON on stderr")
     try:
         args = parser.parse_args(argv)
@@ -919,9 +932,7 @@ def transcribe_main(argv: list[str]) -> int:
         from specstream.stages.speculative.models.loader import weight_format
 
         try:
-            if weight_format(args.dtype, args.device).quantized:
-                raise UnsupportedDtypeError(f"dtype {args.dtype} is not wired for the Whisper decoder yet; "
-                                            f"available for speech: float32, float16, bfloat16")
+            weight_format(args.dtype, args.device)  # exit 2 before anything loads
         except UnsupportedDtypeError as exc:
             print(error_line(exc.code, exc.message, as_json), file=sys.stderr)
             return 2

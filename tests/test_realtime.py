@@ -340,3 +340,37 @@ def test_transcription_stream_with_official_client(server, two):
     with open(path, "rb") as fh, pytest.raises(openai.BadRequestError) as exc:
         client.audio.transcriptions.create(model="whisper-1", file=fh, stream=True, response_format="srt")
     assert exc.value.body["param"] == "stream"
+
+
+def test_transcription_stream_sends_deltas_as_windows_are_decoded(server, sm, tmp_path):
+    """More than 30 s of speech is two windows of Whisper's long-form: the first window's deltas arrive while the
+    second is still to be decoded (a spy on the real model counts decoded windows; before, every delta came
+    after the whole file)."""
+    import httpx
+
+    rec = compose(tmp_path, SCRIPT, [0.3] * len(SCRIPT), lead_s=0.3, name="long")
+    decode, decoded = sm.decode, []
+
+    def counting(*args, **kwargs):
+        out = decode(*args, **kwargs)
+        decoded.append(len(out))
+        return out
+
+    sm.decode = counting
+    try:
+        events, windows_at_first = [], None
+        with open(rec.path, "rb") as fh, httpx.stream(
+                "POST", server.base + "/v1/audio/transcriptions", headers={"Authorization": f"Bearer {KEY}"},
+                data={"model": "whisper-1", "stream": "true"}, files={"file": ("long.wav", fh, "audio/wav")},
+                timeout=300) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if windows_at_first is None:
+                        windows_at_first = len(decoded)
+    finally:
+        del sm.decode
+    assert [e["type"] for e in events] == ["transcript.text.delta"] * (len(events) - 1) + ["transcript.text.done"]
+    assert "".join(e["delta"] for e in events[:-1]) == events[-1]["text"]
+    assert len(decoded) >= 2 and windows_at_first < len(decoded), (windows_at_first, decoded)

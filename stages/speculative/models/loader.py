@@ -324,12 +324,7 @@ def load_decoder(
     if ckpt.config.get("model_type") == "whisper":
         from specstream.stages.speculative.models.whisper import load_whisper_decoder
 
-        if fmt.quantized:
-            from specstream.errors import UnsupportedDtypeError
-
-            raise UnsupportedDtypeError(f"dtype {fmt.label} is not wired for the Whisper decoder yet; available "
-                                        f"for speech: float32, bfloat16")
-        return load_whisper_decoder(ckpt, fmt.name, device)
+        return load_whisper_decoder(ckpt, fmt.label, device)
     cfg = ckpt.decoder_config()
     files = ckpt.weight_files()
     names = _tensor_names(files, _decoder_key)

@@ -430,16 +430,40 @@ def _decoder_key(key: str) -> str | None:
     return key if key.startswith("model.decoder.") else None
 
 
+def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str) -> None:
+    """Cast ``module`` (a Whisper encoder or decoder) to the weight precision ``dtype``, in place: a float dtype
+    (float32, bfloat16, float16) casts every tensor; int8 / int4 (:func:`loader.weight_format`) quantize every
+    ``nn.Linear`` through :func:`specstream.kernels.quant.quantize_linears` (weight-only, per output channel for
+    int8, in groups for int4) and run the rest (embeddings, layer norms, convolutions) and the activations in
+    bfloat16, as the Llama decoders do.
+
+    Raises:
+        UnsupportedDtypeError: a precision ``device`` cannot run; QuantKernelError: a packed kernel disagrees with
+            its float reference.
+    """
+    from specstream.stages.speculative.models.loader import parse_dtype, weight_format
+
+    if dtype in ("int8", "int4") or (isinstance(dtype, str) and dtype.startswith("int4-")):
+        from specstream.kernels.quant import quantize_linears
+
+        fmt = weight_format(dtype, device)
+        module.to(torch.bfloat16)
+        quantize_linears(module, fmt)
+    else:
+        module.to(parse_dtype(dtype))
+
+
 def load_whisper_decoder(checkpoint, dtype: str | torch.dtype = "float32", device: str = "cpu") -> WhisperDecoder:
     """Build a :class:`WhisperDecoder` from a Hugging Face Whisper checkpoint (dir, hub id or ``Checkpoint``).
 
-    Every decoder tensor must be present (strict); the output projection is tied to the token embeddings.
+    Every decoder tensor must be present (strict); the output projection is tied to the token embeddings (at int8
+    / int4 the projection is a quantized copy; the embedding table stays bfloat16). ``dtype``: float32, bfloat16,
+    float16, int8, int4 (:func:`_weight_precision`); the KV cache and activations follow the embedding's dtype.
 
     Raises:
-        CheckpointNotFoundError, UnsupportedArchitectureError.
+        CheckpointNotFoundError, UnsupportedArchitectureError, UnsupportedDtypeError.
     """
-    from specstream.stages.speculative.models.loader import Checkpoint, load_state_dict, parse_dtype, \
-        resolve_checkpoint
+    from specstream.stages.speculative.models.loader import Checkpoint, load_state_dict, resolve_checkpoint
 
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
     cfg = whisper_config_from_dict(ckpt.config)
@@ -456,7 +480,7 @@ def load_whisper_decoder(checkpoint, dtype: str | torch.dtype = "float32", devic
             f"{ckpt.path}: weights do not match a Whisper decoder (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
     model.tie_weights()
-    model.to(parse_dtype(dtype))
+    _weight_precision(model, dtype, device)
     model.eval()
     from specstream.kernels.linear import pack_linears
 
@@ -472,16 +496,15 @@ def load_whisper_encoder(checkpoint, dtype: str | torch.dtype = "float32", devic
     """Hugging Face's ``WhisperEncoder`` with the checkpoint's ``model.encoder.*`` weights (strict).
 
     Input: log-mel features ``[B, num_mel_bins, 2 * max_source_positions]``; output ``last_hidden_state``
-    ``[B, max_source_positions, d_model]``.
+    ``[B, max_source_positions, d_model]`` (bfloat16 at int8 / int4: :func:`_weight_precision`).
 
     Raises:
-        CheckpointNotFoundError, UnsupportedArchitectureError.
+        CheckpointNotFoundError, UnsupportedArchitectureError, UnsupportedDtypeError.
     """
     from transformers import WhisperConfig
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-    from specstream.stages.speculative.models.loader import Checkpoint, load_state_dict, parse_dtype, \
-        resolve_checkpoint
+    from specstream.stages.speculative.models.loader import Checkpoint, load_state_dict, resolve_checkpoint
 
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
     whisper_config_from_dict(ckpt.config)  # validates the architecture
@@ -496,6 +519,6 @@ def load_whisper_encoder(checkpoint, dtype: str | torch.dtype = "float32", devic
         raise UnsupportedArchitectureError(
             f"{ckpt.path}: weights do not match a Whisper encoder (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
-    encoder.to(parse_dtype(dtype))
+    _weight_precision(encoder, dtype, device)
     encoder.eval()
     return encoder
