@@ -176,7 +176,7 @@ class Request:
 
     def _joined(self, key: str, prompt: list[int]) -> list[int]:
         """``prompt + output_ids`` kept as one list that grows by the new tokens only: O(new tokens) per step
-        instead of a copy of the whole context per read (issue 20 item 7). Rebuilt when ``prompt`` or
+        instead of a copy of the whole context per read. Rebuilt when ``prompt`` or
         ``output_ids`` was replaced or shrank. Callers read it and never change it."""
         with _JOIN_LOCK:  # the event loop may read a length while the device thread extends
             cached = self._joined_cache.get(key)
