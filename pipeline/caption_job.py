@@ -61,7 +61,8 @@ class CaptionJobSummary:
         if not self.captions:
             # Nothing was decoded (every input failed, or none had a keyframe): a rate of 0.0 tokens/s would
             # read as a speed measurement; say that nothing was captioned instead.
-            return head + f"{count(self.frames_decoded, 'frame')} decoded, no caption written in {self.seconds:.1f} s"
+            return (head + f"{count(self.frames_decoded, 'frame')} decoded, {count(self.keyframes, 'keyframe')}, "
+                    f"no caption written in {self.seconds:.1f} s")
         return (head + f"{count(self.frames_decoded, 'frame')} decoded, {count(self.keyframes, 'keyframe')}, "
                 f"{count(self.captions, 'caption')}, {count(self.tokens, 'token')} in {self.seconds:.1f} s "
                 f"({tps:.1f} tokens/s), tau {self.tau:.2f}")

@@ -81,7 +81,7 @@ def test_caption_checks_inputs_before_loading_models(tmp_path, capsys, monkeypat
                        f"failed {folder / 'empty.mp4'} [unreadable_source]: file is empty (0 bytes): "
                        f"{folder / 'empty.mp4'}"]
     assert err[3].startswith(f"failed {named} [unsupported_media]: {named}: neither an image nor a video")
-    assert err[4].startswith("3 inputs (3 failed, 1 skipped): 0 frames decoded, no caption written in ")
+    assert err[4].startswith("3 inputs (3 failed, 1 skipped): 0 frames decoded, 0 keyframes, no caption written in ")
     assert "tokens/s" not in err[4]  # before: "(0.0 tokens/s), tau 0.00" read as a measured speed
     assert len(err) == 5
     assert not cache.exists()  # the built-in models were not even created
