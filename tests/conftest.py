@@ -102,11 +102,34 @@ def assert_clear_greedy_path(model, prompt: list[int], tokens: list[int]) -> Non
 # them up to 20x slower. Benchmarks set their own thread count.
 torch.set_num_threads(1)
 
-# Tests never touch the user's cache: built-in models are created in a per-session directory.
-# The directory is removed when the test session's process exits.
-if "SPECSTREAM_CACHE" not in os.environ:
+# Tests never touch the user's cache: built-in models are created in a directory of this test process (each
+# pytest-xdist worker has its own, so two workers never build into the same one). The directory is removed when
+# the process exits. A cache that the user set (SPECSTREAM_CACHE) is used as it is.
+if "SPECSTREAM_CACHE" not in os.environ or os.environ.get("SPECSTREAM_TEST_CACHE_PID") not in (None, str(os.getpid())):
     os.environ["SPECSTREAM_CACHE"] = tempfile.mkdtemp(prefix="specstream-test-cache-")
+    os.environ["SPECSTREAM_TEST_CACHE_PID"] = str(os.getpid())
     atexit.register(shutil.rmtree, os.environ["SPECSTREAM_CACHE"], True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_lock(request):
+    """The suite runs on two pytest-xdist workers (``addopts``). A module marked ``exclusive`` (the real Qwen pair
+    beside its HF reference, about 18 GB at its peak; the subtitle tests that stream at real-time pace) runs with
+    no other module beside it: it takes an exclusive ``flock`` on a file of this run, every other module a shared
+    one. Without xdist (``-p no:xdist`` or ``-n 0``) nothing is locked."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    import fcntl
+
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    with open(os.path.join(tempfile.gettempdir(), f"specstream-tests-{run}.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

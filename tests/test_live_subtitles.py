@@ -18,6 +18,9 @@ from binaries import require
 from live_fixtures import SCRIPT, ServerThread, free_port, recording, wer
 from whisper_fixtures import one_torch_thread, speech_cache  # noqa: F401  (fixtures)
 
+# Streams at real-time pace: run with no other module beside it under xdist (tests/conftest.py `_module_lock`).
+pytestmark = pytest.mark.exclusive
+
 FW_OPTIONS = dict(beam_size=1, temperature=0.0, condition_on_previous_text=False, without_timestamps=True)
 
 

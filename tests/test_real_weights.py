@@ -39,7 +39,7 @@ import torch
 
 from specstream.stages.speculative.models.llama import ForwardBatch
 
-pytestmark = [pytest.mark.real_weights, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.real_weights, pytest.mark.exclusive, pytest.mark.timeout(3600)]
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 IM_END, ENDOFTEXT = 151645, 151643
@@ -55,13 +55,13 @@ EOS_PROBE = {"text": "Say hi.", "suffix": "Hi!<|im_end|>\n"}  # a closed assista
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_cache() -> Path:
     return Path(os.environ.get("SPECSTREAM_REAL_CACHE")
                 or Path.home() / ".cache" / "specstream-real-weights").expanduser()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_pair(real_cache) -> dict[str, Path]:
     """``specstream models fetch`` of the pair (returns at once when already fetched and verified)."""
     env = {**os.environ, "SPECSTREAM_CACHE": str(real_cache)}
@@ -75,7 +75,7 @@ def real_pair(real_cache) -> dict[str, Path]:
     return {TARGET: Path(folders[0]), DRAFT: Path(folders[1])}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hf(real_pair, tmp_path_factory) -> dict:
     """The HF reference, computed in a child process that has exited when this returns."""
     from safetensors.torch import load_file

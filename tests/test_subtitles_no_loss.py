@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 from live_fixtures import SCRIPT, compose, uncovered_speech, wer
 from whisper_fixtures import one_torch_thread, speech_cache  # noqa: F401  (fixtures)
 
+# Streams at real-time pace: run with no other module beside it under xdist (tests/conftest.py `_module_lock`).
+pytestmark = pytest.mark.exclusive
+
 
 @pytest.fixture(scope="module")
 def service(speech_cache):
