@@ -366,7 +366,8 @@ class OpenAIState:
                                            text_drafts=(s.text_draft,) if s.text_draft else (),
                                            speech_model=s.speech_model, clip_model=s.clip_model,
                                            clip_pretrained=s.clip_pretrained),
-                                 loop=self.app_state.loop, captioner=self.app_state.captioner)
+                                 loop=self.app_state.loop, captioner=self.app_state.captioner,
+                                 speech_loader=getattr(self.app_state, "speech_model", None))
         speech = self.app_state.speech
         if speech is not None and getattr(self.app_state, "ready", False):
             self._hub.use_speech_model(speech.model)  # the subtitle service's Whisper, shared
