@@ -23,7 +23,10 @@ Policy, in the order :meth:`QosScheduler.schedule` applies it:
    service time) falls below ``promote_slack_s`` is **promoted**: it leaves batch's reserved share and competes
    for the budget ahead of every other batch request, but still after all interactive work, so it never passes a
    higher class. ``reserved_realtime_slots`` slots per model are for ``realtime`` only. Above
-   ``kv_high_watermark`` of the memory budget only ``realtime`` is admitted.
+   ``kv_high_watermark`` of the memory budget only ``realtime`` is admitted. **Forks** (``Request.fork_of``: the
+   other choices of an ``n > 1`` request) wait for their source's final prefill chunk and are admitted with it
+   (:class:`~specstream.schedulers.plan.ForkWork`: a slot and the memory for their context, no token budget),
+   so a prompt is prefilled once for all its choices.
 5. **Tree budgets**: what is left of the token budget grows trees up to what each request's drafters ask for,
    highest class first; ``batch`` keeps ``batch_share`` of the budget when it has work. Trees shrink (batch's
    first) when the step would verify more than ``spec_token_limit`` tokens (the forward turns compute-bound and

@@ -157,3 +157,24 @@ def test_kv_copy_prefix():
     assert torch.equal(c.positions[1, :5], torch.arange(5)) and torch.equal(c.k[:, 1, :, 5:], before)
     with pytest.raises(ValueError):
         c.copy_prefix(1, 1, 2)
+
+
+def test_one_model_engine_forks_too(tiny):
+    """The FIFO scheduler of ``SpeculativeEngine`` plans forks as well: a text prompt with a model draft, greedy
+    forks equal to the request alone, one prefill; a fork that finds no free slot prefills itself later."""
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+    eng = SpeculativeEngine.from_checkpoints(tiny.target, [tiny.noisy], config=EngineConfig(num_slots=3))
+    prompt = [5, 17, 42, 99, 3, 7, 11]
+    (alone,) = eng.generate([prompt], 10)
+    before = eng.executor.prefill_tokens
+    reqs = [eng.make_request(prompt, 10) for _ in range(4)]
+    for r in reqs[1:]:
+        r.fork_of = reqs[0].request_id
+    for r in reqs:
+        eng.add_request(r)
+    eng.run()
+    assert [r.output_ids for r in reqs] == [alone.output_ids] * 4
+    # three slots: the source and two forks share one prefill; the fourth waits for a slot and prefills itself
+    assert eng.executor.prefill_tokens - before == 2 * len(prompt)
+    assert [r.stats.prefill_steps for r in reqs] == [1, 1, 1, 1]
