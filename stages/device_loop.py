@@ -180,6 +180,9 @@ class DeviceLoop:
         self._calls: list = []
         self._thread: threading.Thread | None = None
         self._stopping = False
+        #: the device thread has taken its last work (stopping): runners and calls are then applied inline, so a
+        #: model that finishes loading during a shutdown neither waits forever nor is lost
+        self._exited = False
         self.failed: dict[str, str] = {}  # model name -> why it could not be loaded (its endpoints are down)
 
     def add_runner(self, runner: ModelRunner) -> ModelRunner:
@@ -197,10 +200,13 @@ class DeviceLoop:
 
             done: concurrent.futures.Future = concurrent.futures.Future()
             with self._lock:
-                self._adds.append((runner, done))
-                self._lock.notify()
-            done.result()
-            return runner
+                queued = not self._exited  # a thread that is ending takes no more: add it here instead
+                if queued:
+                    self._adds.append((runner, done))
+                    self._lock.notify()
+            if queued:
+                done.result()
+                return runner
         self._add_runner_now(runner)
         return runner
 
@@ -222,8 +228,12 @@ class DeviceLoop:
 
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            self._calls.append((fn, args, kwargs, fut))
-            self._lock.notify()
+            queued = not self._exited
+            if queued:
+                self._calls.append((fn, args, kwargs, fut))
+                self._lock.notify()
+        if not queued:  # the thread has ended (stop): nothing else runs on the device now
+            return fn(*args, **kwargs)
         return fut.result()
 
     def mark_failed(self, model: str, why: str) -> None:
@@ -398,6 +408,7 @@ class DeviceLoop:
         if self._thread is not None:
             return
         self._stopping = False
+        self._exited = False
         self._thread = threading.Thread(target=self._main, name=f"specstream-device-{self.device}", daemon=True)
         self._thread.start()
 
@@ -535,6 +546,10 @@ class DeviceLoop:
                     self._fail_all(exc)
                 continue
             if stopping:
+                with self._lock:
+                    if self._adds or self._calls:
+                        continue  # queued while this iteration ran: apply them first
+                    self._exited = True
                 return
             with self._lock:
                 if not (self._submitted or self._cancels or self._adds or self._calls or self._stopping):
