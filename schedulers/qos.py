@@ -526,12 +526,13 @@ class QosScheduler:
 
     def kv_tokens(self, plan: StepPlan | None = None) -> int:
         """Memory held by running and prefilling requests (tokens, or bytes with ``memory_budget_bytes``), plus
-        what ``plan`` writes (tree nodes, prefill chunks)."""
+        what ``plan`` writes (tree nodes, prefill chunks, the prompts copied into forks' slots)."""
         held = self._held()
         if plan is None:
             return held
         return held + sum(d.node_budget * self._unit(d.request) for d in plan.decodes) + sum(
-            p.num_tokens * self._unit(p.request) for p in plan.prefills)
+            p.num_tokens * self._unit(p.request) for p in plan.prefills) + sum(
+            len(f.request.context) * self._unit(f.request) for f in plan.forks)
 
     def kv_fraction(self, plan: StepPlan | None = None) -> float:
         return self.kv_tokens(plan) / self.kv_budget
