@@ -360,7 +360,14 @@ class SpeculativeExecutor:
         return self.gate.cut(decodes, choice, self.depth_nodes)
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Run ``plan``: draft, target forward(s), batched verification on the device, one host copy, commit."""
+        """Run ``plan``: draft, target forward(s), batched verification on the device, one host copy, commit.
+        ``plan.forks`` start from the prompt of a final prefill chunk of the plan: after that forward each copies
+        the source slot's K/V and verifies the source's last logits row with its own random stream (its result
+        follows the rows' results).
+
+        Raises:
+            ValueError: a fork whose source has no final prefill chunk in the plan, or whose context differs.
+        """
         t_start = time.perf_counter()
         for rel in plan.released:
             self.release(rel.request_id, rel.slot)
