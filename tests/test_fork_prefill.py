@@ -178,3 +178,17 @@ def test_one_model_engine_forks_too(tiny):
     # three slots: the source and two forks share one prefill; the fourth waits for a slot and prefills itself
     assert eng.executor.prefill_tokens - before == 2 * len(prompt)
     assert [r.stats.prefill_steps for r in reqs] == [1, 1, 1, 1]
+
+
+def test_whisper_cache_copy_prefix_copies_the_cross_attention_too():
+    from specstream.stages.speculative.models.whisper import WhisperKVCache
+
+    c = WhisperKVCache(2, 3, 2, 8, 4, 6, torch.float32)
+    for t in (c.k, c.v, c.cross_k, c.cross_v):
+        t.normal_()
+    c.enc_lengths[2] = 5
+    c.copy_prefix(2, 0, 3)
+    assert c.lengths[0] == 3 and c.enc_lengths[0] == 5
+    assert torch.equal(c.k[:, 0, :, :3], c.k[:, 2, :, :3])
+    assert torch.equal(c.cross_k[:, 0, :, :5], c.cross_k[:, 2, :, :5])
+    assert torch.equal(c.cross_v[:, 0, :, :5], c.cross_v[:, 2, :, :5])
