@@ -437,6 +437,43 @@ def quantize_linears(module: nn.Module, fmt: WeightFormat | str, skip: tuple[str
     return count
 
 
+def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
+    """One quantized layer whose output is the concatenation of ``layers``' outputs (``q``/``k``/``v`` or
+    ``gate``/``up`` projections of one input): one packed product, one pass over the activations, one bias add.
+
+    Int8: the ``[N, K]`` weights and scales are concatenated. Int4 on the CPU: the packed layout holds 64-row
+    blocks one after another (:func:`int4_nibble_map`), so for output sizes that are multiples of 64 the packed
+    bytes concatenate along the rows, and ``scales_and_zeros`` along its ``N`` dimension. The fused layer must
+    reproduce the separate layers bit for bit on a probe input, else None is returned (the caller keeps them).
+    None also when the layers are not all of one kind (an int4 fallback to int8, different group sizes, a
+    layout that does not concatenate).
+    """
+    if len(layers) < 2 or len({type(l) for l in layers}) != 1 or len({l.in_features for l in layers}) != 1:
+        return None
+    if len({l.bias is None for l in layers}) != 1:
+        return None
+    bias = None if layers[0].bias is None else torch.cat([l.bias for l in layers])
+    first = layers[0]
+    if isinstance(first, Int8Linear):
+        fused = Int8Linear(torch.cat([l.qweight for l in layers]), torch.cat([l.scales for l in layers]), bias)
+    elif isinstance(first, Int4Linear):
+        if (first.packed.device.type != "cpu" or len({l.group_size for l in layers}) != 1
+                or any(l.out_features % _INT4_BLOCK_ROWS or l.packed.shape[0] != l.out_features
+                       or l.row_codes is not None for l in layers)):
+            return None
+        fused = Int4Linear(torch.cat([l.packed for l in layers]),
+                           torch.cat([l.scales_and_zeros for l in layers], 1).contiguous(), bias,
+                           first.in_features, sum(l.out_features for l in layers), first.group_size)
+    else:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randn(3, first.in_features, generator=gen).to(device=first.qweight.device if isinstance(
+        first, Int8Linear) else first.packed.device, dtype=torch.bfloat16)
+    if not torch.equal(fused(probe), torch.cat([l(probe) for l in layers], -1)):
+        return None
+    return fused
+
+
 def weight_bytes(module: nn.Module) -> int:
     """Bytes of every parameter and buffer of ``module`` (each shared tensor counted once): what one forward
     reads at most."""

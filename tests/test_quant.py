@@ -93,8 +93,15 @@ def test_loader_quantizes_every_linear_and_ties_one_table(tiny, dtype):
     model = load_decoder(tiny.qwen, dtype)
     cls = Int8Linear if dtype == "int8" else Int4Linear
     layer = model.model.layers[0]
-    for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.down_proj, model.lm_head):
+    # q/k/v and gate/up are fused into one product each where the layout allows (LlamaDecoder.fuse_projections:
+    # int8 always, int4 when every output size is a multiple of 64)
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+    gate_up = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+    for lin in (*qkv, *gate_up, attn.o_proj, mlp.down_proj, model.lm_head):
         assert isinstance(lin, cls)
+    if dtype == "int8":
+        assert attn.qkv_proj is not None and not hasattr(attn, "q_proj") and not hasattr(mlp, "up_proj")
     assert model.model.embed_tokens.table is model.lm_head  # tied: one copy
     assert model.dtype == torch.bfloat16
     assert model.new_cache(1, 8).k.dtype == torch.bfloat16
@@ -144,3 +151,22 @@ def test_cli_dtype_errors_exit_2_with_one_line(argv, needle, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error [unsupported_dtype]: ") and needle in lines[0]
     assert "float32, bfloat16, int8, int4" in lines[0]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "int4-g64"])
+def test_fused_projections_equal_the_separate_ones_bit_for_bit(dtype):
+    """fuse_linears: one product whose output is exactly the concatenation of the separate layers' outputs, for
+    one row and for tree-sized row counts; layers of different kinds (or bias and no bias) are not fused."""
+    from specstream.kernels.quant import fuse_linears, parse_weight_format, quantize_weight
+
+    fmt = parse_weight_format(dtype)
+    gen = torch.Generator().manual_seed(3)
+    layers = [quantize_weight(torch.randn(n, 128, generator=gen), torch.randn(n, generator=gen), fmt)
+              for n in (128, 64, 64)]
+    fused = fuse_linears(layers)
+    assert fused is not None and fused.out_features == 256
+    for rows in (1, 5, 21):
+        x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
+        assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], -1))
+    other = Int8Linear.from_float(torch.randn(64, 128, generator=gen), None)
+    assert fuse_linears([layers[0], other]) is None  # int4 beside int8, or a bias beside none

@@ -77,7 +77,11 @@ def test_q4_0_file_converts_to_int4_from_blocks_and_q8_0_requantizes_with_a_log_
 
     raw = next(t for t in GGUFReader(q4).tensors if t.name == "blk.1.ffn_up.weight")
     want = np.asarray(dequantize(raw.data, raw.tensor_type), dtype=np.float32)
-    got = model.model.layers[1].mlp.up_proj.dequantized().numpy()
+    mlp = model.model.layers[1].mlp
+    if mlp.gate_up_proj is not None:  # fused at load: [gate; up] rows
+        got = mlp.gate_up_proj.dequantized()[mlp.down_proj.in_features:].numpy()
+    else:
+        got = mlp.up_proj.dequantized().numpy()
     assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max()  # bf16 rounding of the scales only
 
     q8 = _gguf(tmp_path, "Q8_0")
@@ -86,7 +90,8 @@ def test_q4_0_file_converts_to_int4_from_blocks_and_q8_0_requantizes_with_a_log_
     assert any("Q8_0 tensors de-quantized one at a time and re-quantized to int8" in r.message for r in caplog.records)
     how8 = json.loads((ck8.path / "QUANTIZED.json").read_text())["tensors"]
     assert how8["model.layers.0.self_attn.q_proj.weight"] == "Q8_0 de-quantized -> int8"
-    assert isinstance(load_decoder(ck8, "int8").model.layers[0].self_attn.q_proj, Int8Linear)
+    attn = load_decoder(ck8, "int8").model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj if attn.qkv_proj is not None else attn.q_proj, Int8Linear)
 
 
 def test_each_dtype_has_its_own_cached_conversion_never_another_ones(tmp_path, cache):

@@ -47,6 +47,7 @@ class ForwardBatch:
     max_position: int | None = None  # host-known largest position id (lets a decoder check it without a sync)
     read_slots: torch.Tensor | slice | None = None  # set by the decoder: a slice of slots (view) or an index tensor
     attn_bias: torch.Tensor | None = None  # set by the decoder: additive [B, 1, T, S] bias shared by every layer
+    attn_bias_f32: torch.Tensor | None = None  # set by the decoder for bf16 activations: the bias in float32
 
     def resolve_reads(self) -> None:
         """Decide once per forward, on the host, how layers read the cache: a slice when the slots are a
@@ -82,6 +83,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
+        # ``[q; k; v]`` in one quantized product, set by :meth:`LlamaDecoder.fuse_projections` (then the three
+        # separate projections are gone)
+        self.register_module("qkv_proj", None)
         self.layer = layer
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -91,21 +95,31 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
-    def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, key_len: int, mask: torch.Tensor):
+    def _qkv(self, x, cos, sin):
         bsz, t, _ = x.shape
+        if self.qkv_proj is not None:
+            h, hkv = self.num_heads, self.num_kv_heads
+            qkv = self.qkv_proj(x).view(bsz, t, h + 2 * hkv, self.head_dim).transpose(1, 2)
+            qk = qkv[:, : h + hkv]
+            qk = qk * cos + rotate_half(qk) * sin  # RoPE on the query and key heads at once (elementwise)
+            return qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
         q = self.q_proj(x).view(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, key_len: int, mask: torch.Tensor):
+        bsz, t, _ = x.shape
+        q, k, v = self._qkv(x, cos, sin)
         cache.write(self.layer, batch.slots, batch.write_index, k, v)
         keys, values = cache.read(self.layer, batch.read_slots, key_len)
         want = self.layer in batch.attention_layers
         if q.dtype == torch.bfloat16:
             # bfloat16 activations: attention in float32, so a row's result does not depend on how many rows
             # (tree nodes) share the call; bf16 kernels block differently by query count and the output
-            # rounding turns that into different tokens (speculative != plain decoding at the same weights)
-            out, probs = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias.float(),
+            # rounding turns that into different tokens (speculative != plain decoding at the same weights).
+            # The float32 bias is made once per forward (``batch.attn_bias_f32``).
+            out, probs = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias_f32,
                                         self.head_dim**-0.5, return_probs=want)
             out = out.to(torch.bfloat16)
         else:
@@ -117,11 +131,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
+        self.register_module("gate_up_proj", None)  # ``[gate; up]`` in one product (fuse_projections)
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(nn.functional.silu(gate) * up)
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -166,6 +184,28 @@ class LlamaDecoder(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> int:
+        """Replace each layer's quantized ``q``/``k``/``v`` projections by one ``qkv_proj`` and ``gate``/``up``
+        by one ``gate_up_proj`` (:func:`specstream.kernels.quant.fuse_linears`: bit-identical outputs, fewer
+        kernel calls per layer). Layers whose projections cannot be fused stay as they are.
+        Returns the number of fused projections."""
+        from specstream.kernels.quant import fuse_linears
+
+        count = 0
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            fused = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            if fused is not None:
+                attn.qkv_proj = fused
+                del attn.q_proj, attn.k_proj, attn.v_proj
+                count += 1
+            fused = fuse_linears([mlp.gate_proj, mlp.up_proj])
+            if fused is not None:
+                mlp.gate_up_proj = fused
+                del mlp.gate_proj, mlp.up_proj
+                count += 1
+        return count
 
     #: activations and KV cache dtype when set by the loader (bfloat16 for int8/int4 weights)
     activation_dtype: torch.dtype | None = None
@@ -220,6 +260,7 @@ class LlamaDecoder(nn.Module):
             mask = mask & window
             mask[:, :, 0] |= ~mask.any(-1)
         batch.attn_bias = attention_bias(mask, x.dtype)
+        batch.attn_bias_f32 = batch.attn_bias.float() if x.dtype == torch.bfloat16 else None
         cos, sin = self._rope(batch.position_ids, x.dtype)
         probs: dict[int, torch.Tensor] = {}
         for layer in self.model.layers:

@@ -353,6 +353,7 @@ def load_decoder(
         )
     if fmt.quantized:
         _load_quantized(model, files, names, fmt, device, stored_codes)
+        model.fuse_projections()  # q/k/v and gate/up in one product each (bit-identical outputs)
     else:
         model.to_empty(device=device)
         # copy tensor by tensor into the allocated model: peak memory is the model plus one tensor, not twice it
