@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specstream.errors import ContextLengthError, InvalidRequestError, ModelNotLoadedError
-from specstream.kernels.sampling import SamplingParams
+from specstream.types import SamplingParams
 from specstream.schedulers.plan import Request, RequestStepResult, StepOutput, StepPlan, TokenDelta
 from specstream.stages.speculative.executor import SpeculativeExecutor
 

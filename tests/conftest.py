@@ -23,6 +23,10 @@ from specstream.stages.speculative.models.tiny import (
     random_decoder_state,
     save_checkpoint,
 )
+from specstream.pipeline import models_fetch
+
+# the tests compose the process as the CLI does: registered model names resolve through the injected registry
+models_fetch.install()
 
 GAP = 1e-5
 

@@ -113,7 +113,8 @@ def test_same_frame_twice_second_caption_is_drafted_by_the_first(models, src):
     from specstream.modalities.image import load_image
     from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_RESULTS, InProcessBroker
     from specstream.pipeline.messages import CaptionParams
-    from specstream.stages.caption import Captioner, CaptionStage, FrameTask
+    from specstream.stages.caption import Captioner
+    from specstream.pipeline.caption_stages import CaptionStage, FrameTask
     from specstream.stages.speculative.drafters.model import TreeSpec
 
     target, _ = models
@@ -307,7 +308,8 @@ def test_a_frame_failing_mid_video_does_not_end_the_input(models, src):
     from specstream.modalities.image import load_image
     from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_RESULTS, InProcessBroker
     from specstream.pipeline.messages import CaptionParams
-    from specstream.stages.caption import Captioner, CaptionStage, FrameTask
+    from specstream.stages.caption import Captioner
+    from specstream.pipeline.caption_stages import CaptionStage, FrameTask
 
     target, _ = models
     captioner = Captioner(target, [], temporal=False, visual_aware=False)

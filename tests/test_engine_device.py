@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from conftest import hf_greedy
-from specstream.kernels.sampling import SamplingParams
+from specstream.types import SamplingParams
 from specstream.schedulers.qos import QosConfig, QosScheduler
 from specstream.stages.speculative.drafters.model import ModelDrafter, TreeSpec
 from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine

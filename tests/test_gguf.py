@@ -27,7 +27,8 @@ from specstream.errors import (
 )
 from specstream.stages.speculative.models import gguf as gguf_mod
 from specstream.stages.speculative.models.gguf import converted_gguf_dir, end_of_generation_ids, read_gguf
-from specstream.stages.speculative.models.loader import load_decoder, resolve_checkpoint
+from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
+from specstream.stages.speculative.models.loader import load_decoder
 
 REPO = Path(__file__).resolve().parents[1]
 
