@@ -392,6 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from specstream.threadpolicy import set_thread_policy
+
+    set_thread_policy()  # before any subcommand imports torch (libgomp reads it once, when torch loads it)
     from specstream.pipeline import models_fetch
 
     models_fetch.install()  # registered model names resolve (and fetch on first use) in every subcommand

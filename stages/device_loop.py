@@ -393,6 +393,9 @@ class DeviceLoop:
         :meth:`submit_threadsafe`."""
         if self._thread is not None:
             return
+        from specstream.threadpolicy import set_thread_policy
+
+        set_thread_policy()  # torch is loaded by now: this reaches the child processes started from here on
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name=f"specstream-device-{self.device}", daemon=True)
         self._thread.start()

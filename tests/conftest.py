@@ -13,9 +13,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import specstream  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
 import pytest
-import torch
+
+from specstream.threadpolicy import set_thread_policy
+
+set_thread_policy()  # before torch loads OpenMP (libgomp reads OMP_WAIT_POLICY once, at load)
+
+import torch  # noqa: E402
 
 from specstream.stages.speculative.models.tiny import (
     TinyDecoderSpec,

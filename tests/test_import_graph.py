@@ -16,7 +16,8 @@ The layers, bottom to top (a module may import its own layer's folder and any lo
 and never a sibling folder of the same rank):
 
 0. base: ``specstream.errors`` (typed errors), ``specstream.types`` (plain data shared across layers),
-   ``specstream.helptext`` (docstrings as --help text); these import nothing of ours but each other
+   ``specstream.helptext`` (docstrings as --help text), ``specstream.threadpolicy`` (the OpenMP wait policy, set
+   before torch loads); these import nothing of ours but each other
 1. ``kernels``
 2. ``schedulers`` and ``modalities`` (siblings: neither imports the other)
 3. ``stages``
@@ -46,7 +47,7 @@ FOLDERS = {
     "schedulers": "specstream.schedulers",
 }
 
-BASE = ("specstream.errors", "specstream.types", "specstream.helptext")
+BASE = ("specstream.errors", "specstream.types", "specstream.helptext", "specstream.threadpolicy")
 
 
 @dataclass(frozen=True)
