@@ -405,9 +405,9 @@ class CaptionStage:
         req = self.captioner.make_request(prepared, frame.params.max_new_tokens, frame.qos, hypothesis,
                                           logits_processors=procs)
         t0 = time.perf_counter()
-        done = await self.loop.submit(req)  # cancelled with this task: the loop frees its slot
+        vis: list = []  # the target's attention on the image per committed token, filled by the loop
+        done = await self.loop.submit(req, visual_attention=vis)  # cancelled with this task: the loop frees its slot
         self.stats.decode_s += time.perf_counter() - t0
-        vis = self.loop.visual_attention.pop(done.request_id, None)
         if done.error:
             raise RecordedError(done.error.get("code", SpecstreamError.code), done.error.get("message", ""))
         tokens = list(done.output_ids)

@@ -128,7 +128,7 @@ def test_no_per_request_state_survives_finished_failed_and_preempted_requests(ti
         eng.scheduler.pop_finished(r.request_id)
     ids = [r.request_id for r in reqs]
     assert _leaks(eng, ids) == []
-    assert eng.executor.states == {} and eng.visual_attention == {}
+    assert eng.executor.states == {} and eng.loop._entries == {}
     assert eng.executor.cache.lengths == [0, 0]
     assert all(d.cache.lengths == [0, 0] for d in eng.executor.drafters if isinstance(d, ModelDrafter))
 

@@ -105,12 +105,6 @@ class SpeculativeEngine:
     def scheduler(self, value) -> None:
         self.loop.scheduler = value
 
-    @property
-    def visual_attention(self) -> dict[str, list]:
-        """Request id -> per committed token, the target's attention mass on the visual tokens ``[n_visual]``
-        (requests with a ``visual_span``); the consumer pops it when the request finished."""
-        return self.loop.visual_attention
-
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
     def from_checkpoints(cls, target: str | os.PathLike, drafts: list[str | os.PathLike] = (), ngram: bool = False,
