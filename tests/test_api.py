@@ -88,6 +88,19 @@ def test_caption_gives_the_cli_records(media, tmp_path):
     assert len(got) == 4
 
 
+def test_closing_the_caption_iterator_early_stops_the_work(media):
+    import threading
+
+    import specstream
+
+    before = set(threading.enumerate())
+    it = specstream.caption([str(media / "clip.mp4")], max_new_tokens=4)
+    first = next(it)
+    it.close()  # cancels the graph and stops the device loop; nothing is left running
+    assert (first.kind, first.frame_index) == ("video", 0)
+    assert [t.name for t in set(threading.enumerate()) - before if t.name.startswith("specstream-")] == []
+
+
 def test_caption_refuses_bad_arguments_before_loading():
     import specstream
 
