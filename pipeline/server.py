@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -226,9 +225,6 @@ class AppState:
         self.sessions = 0
         self.ready = speech is not None
         self.load_error: str | None = None
-        #: one speech-model load at a time: a lifespan that ended while its load thread still ran (a cancelled
-        #: task does not stop its thread) must not race a second load through transformers' lazy imports
-        self._speech_lock = threading.Lock()
         self._captioner = None
         self._captioner_lock = __import__("threading").Lock()
         # caption graphs in flight at once (their frames share the loop's VLM forwards); more wait here
@@ -243,29 +239,23 @@ class AppState:
             self.scheduler_metrics.queue_depth.labels(name, "realtime").set(0)
 
     async def load(self) -> None:
+        from specstream.stages.streaming import SpeechService
+
         if self.speech is not None and self.speech.loop is not self.loop:  # set after the app was built
             self._adopt(self.speech.loop)
         self.loop.start()
         try:
             if self.speech is None:
-                self.speech = await asyncio.to_thread(self._load_speech_once)
+                s = self.settings
+                self.speech = await asyncio.to_thread(
+                    lambda: SpeechService(_load_speech_model(s.speech_model, s.speech_dtype), num_slots=s.speech_slots,
+                                          loop=self.loop))
             await self.speech.start()
             self.ready = True
         except Exception as exc:  # reported by /readyz; captions still work
             log.exception("speech model failed to load")
             self.load_error = f"{type(exc).__name__}: {exc}"
             self.loop.mark_failed("whisper", self.load_error)
-
-    def _load_speech_once(self):
-        """The speech service, loaded in the calling (worker) thread unless an earlier load already made it."""
-        from specstream.stages.streaming import SpeechService
-
-        with self._speech_lock:
-            if self.speech is None:
-                s = self.settings
-                self.speech = SpeechService(_load_speech_model(s.speech_model, s.speech_dtype),
-                                            num_slots=s.speech_slots, loop=self.loop)
-            return self.speech
 
     def models(self) -> dict[str, str]:
         """Per model: ``ready``, ``failed: ...`` or ``on first use`` (the captioner loads with its first request)."""
