@@ -11,8 +11,9 @@ ending with ``data: [DONE]``; ``usage``; ``logprobs.content`` with ``top_logprob
   http(s) URLs of hosts in ``allowed_media_domains`` (empty by default: nothing is fetched;
   ``specstream.modalities.fetch`` has the policy); ``video_url`` parts (as vLLM takes them) become the
   video's keyframes, chosen as ``specstream qa`` chooses them;
-- ``n`` (up to 16) choices decode as rows of the same engine steps, each with its own random stream (seed + i
-  when a seed is given); greedy choices are identical; ``return_token_ids: true`` (vLLM's extension) adds
+- ``n`` (up to 16) choices share one prefill of the prompt (forks of the first choice), then decode as rows of
+  the same engine steps, each with its own random stream (seed + i when a seed is given); greedy choices are
+  identical; ``return_token_ids: true`` (vLLM's extension) adds
   ``token_ids`` to the choice;
 - ``response_format`` (``json_object``, ``json_schema``) and forced tool calls (``tool_choice`` ``required`` or
   named) run through the engine's grammar constraint with speculation on (``response_format.py``,
@@ -366,7 +367,8 @@ class OpenAIState:
                                            text_drafts=(s.text_draft,) if s.text_draft else (),
                                            speech_model=s.speech_model, clip_model=s.clip_model,
                                            clip_pretrained=s.clip_pretrained),
-                                 loop=self.app_state.loop, captioner=self.app_state.captioner)
+                                 loop=self.app_state.loop, captioner=self.app_state.captioner,
+                                 speech_loader=getattr(self.app_state, "speech_model", None))
         speech = self.app_state.speech
         if speech is not None and getattr(self.app_state, "ready", False):
             self._hub.use_speech_model(speech.model)  # the subtitle service's Whisper, shared

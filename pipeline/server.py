@@ -227,6 +227,8 @@ class AppState:
         self.load_error: str | None = None
         self._captioner = None
         self._captioner_lock = __import__("threading").Lock()
+        self._speech_lock = __import__("threading").Lock()
+        self._speech_future = None  # the one build of the speech service (_speech_build)
         # caption graphs in flight at once (their frames share the loop's VLM forwards); more wait here
         self._caption_lock = asyncio.Semaphore(settings.caption_concurrency)
         self.caption_waiting = 0
@@ -238,18 +240,53 @@ class AppState:
         for name in loop.runners:
             self.scheduler_metrics.queue_depth.labels(name, "realtime").set(0)
 
-    async def load(self) -> None:
+    def _speech_build(self):
+        """The one build of this app's speech service (a ``concurrent.futures.Future``), started on first call in a
+        thread of its own. It outlives the lifespan that started it: a lifespan that ends while Whisper loads (a
+        client that opened and closed the app at once, a test client fetching the schema) cancels only its wait,
+        and the next startup waits for the same build. Before, each startup built a service of its own, so the
+        second one found the first one's ``whisper`` runner in the loop and failed (``a model named 'whisper' is
+        already in the device loop``)."""
+        import concurrent.futures
+        import threading
+
         from specstream.stages.streaming import SpeechService
 
+        with self._speech_lock:
+            if self._speech_future is None:
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                fut.set_running_or_notify_cancel()  # a waiter's cancellation cannot cancel the build
+                s = self.settings
+
+                def build() -> None:
+                    try:
+                        fut.set_result(SpeechService(_load_speech_model(s.speech_model, s.speech_dtype),
+                                                     num_slots=s.speech_slots, loop=self.loop))
+                    except BaseException as exc:
+                        fut.set_exception(exc)
+
+                threading.Thread(target=build, name="specstream-speech-load", daemon=True).start()
+                self._speech_future = fut
+            return self._speech_future
+
+    async def speech_model(self):
+        """This app's Whisper model (``SpeechModel``), waiting for its one load: the OpenAI routes use it rather
+        than loading a second copy into the same loop.
+
+        Raises:
+            The load's error (e.g. ``CheckpointNotFoundError``).
+        """
+        if self.speech is None:
+            self.speech = await asyncio.wrap_future(self._speech_build())
+        return self.speech.model
+
+    async def load(self) -> None:
         if self.speech is not None and self.speech.loop is not self.loop:  # set after the app was built
             self._adopt(self.speech.loop)
         self.loop.start()
         try:
             if self.speech is None:
-                s = self.settings
-                self.speech = await asyncio.to_thread(
-                    lambda: SpeechService(_load_speech_model(s.speech_model, s.speech_dtype), num_slots=s.speech_slots,
-                                          loop=self.loop))
+                self.speech = await asyncio.wrap_future(self._speech_build())
             await self.speech.start()
             self.ready = True
         except Exception as exc:  # reported by /readyz; captions still work
@@ -805,6 +842,31 @@ def subtitle_ws_protocol():
             self.transport.write(b"".join(self.conn.data_to_send()))
             self.close_sent = True
             self.transport.close()
+
+        def handle_parser_exception(self) -> None:
+            """A frame the parser refused (over ``ws_max_size``: 1009; a protocol error: 1002). The close frame
+            and a TCP half-close (FIN) go out, then whatever the client still sends is read and discarded until
+            it closes its side (or ``close_timeout`` passes). uvicorn's own handler closed the socket at once: with
+            the client's unread frames in its receive buffer the kernel answers with a reset, which can overtake
+            the close frame, so a client that kept writing saw 1006 instead of 1009 (3 of 40 sessions that sent
+            20 frames after a 12 KiB one, tests/test_ws_fuzz.py)."""
+            if self.close_sent:  # already failed: the parser discards what still arrives
+                return
+            self.stop_keepalive()  # nothing is written after the half-close
+            close = self.conn.close_sent
+            self.queue.put_nowait({"type": "websocket.disconnect", "code": close.code, "reason": close.reason})
+            data = self.conn.data_to_send()  # the close frame, then b"" (websockets' end-of-stream marker)
+            self.transport.write(b"".join(data))
+            self.close_sent = True
+            if data and data[-1] == b"" and self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.close_timer = self.loop.call_later(self.close_timeout, self.transport.close)
+
+        def eof_received(self) -> bool | None:
+            """The client closed its side after our close frame: close ours (nothing of it is left unread)."""
+            if self.close_sent:
+                self.transport.close()
+            return None
 
     return SubtitleWebSocketProtocol
 

@@ -73,7 +73,7 @@ class FifoEncodeScheduler(FifoScheduler):
             saved, self.waiting = self.waiting, type(self.waiting)()
             plan = super().schedule()
             self.waiting = saved
-        plan = StepPlan(plan.step, plan.prefills, plan.decodes, plan.released, encodes)
+        plan = StepPlan(plan.step, plan.prefills, plan.decodes, plan.released, encodes, plan.preempted, plan.forks)
         held = sum(len(r.context) for r in self.running.values())
         kv = (held + plan.num_nodes) / (self.num_slots * self.max_len)
         self.peak_kv_fraction = max(self.peak_kv_fraction, kv)

@@ -13,6 +13,7 @@ from collections import deque
 from specstream.schedulers.plan import (
     book_step_result,
     DecodeWork,
+    ForkWork,
     PrefillWork,
     Request,
     RequestStatus,
@@ -73,7 +74,7 @@ class FifoScheduler:
             depth = max(0, min(req.remaining - 1, self.max_tree_depth, room - 1))
             decodes.append(DecodeWork(req, req.slot, nodes, depth))
             budget -= nodes
-        prefills = []
+        prefills, forks = [], []
         while self.waiting and self.free_slots:
             req = self.waiting[0]
             if prefills and len(req.prompt_ids) > budget:
@@ -83,8 +84,24 @@ class FifoScheduler:
             req.status = RequestStatus.RUNNING
             prefills.append(PrefillWork(req, req.slot))
             budget -= len(req.prompt_ids)
+            forks.extend(self._forks_of(req))
         released, self._released = tuple(self._released), []
-        return StepPlan(self._step, tuple(prefills), tuple(decodes), released)
+        return StepPlan(self._step, tuple(prefills), tuple(decodes), released, forks=tuple(forks))
+
+    def _forks_of(self, source: Request) -> list[ForkWork]:
+        """Waiting requests that fork from ``source`` (:attr:`Request.fork_of`, same prompt), while slots are
+        free: they start from its prefill (one prompt prefill for ``n`` choices). The others prefill themselves
+        when their turn comes."""
+        out = []
+        for child in [r for r in self.waiting if r.fork_of == source.request_id and r.prompt_ids == source.prompt_ids
+                      and not r.output_ids]:
+            if not self.free_slots:
+                break
+            self.waiting.remove(child)
+            child.slot = self.free_slots.pop()
+            child.status = RequestStatus.RUNNING
+            out.append(ForkWork(child, child.slot, source.request_id))
+        return out
 
     # -- booking --------------------------------------------------------------------------------------------
     def update(self, output: StepOutput) -> list[Request]:

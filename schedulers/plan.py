@@ -138,6 +138,12 @@ class Request:
         logprobs: also return each committed token's log-probability under the target (natural log, after the
             logits processors; after the warpers for sampled requests) in :attr:`output_logprobs` (vLLM's
             ``logprobs=0``). Speculation does not change them: a token's row is the one that verified it.
+        fork_of: the id of a request of the same model with the same prompt (OpenAI's ``n`` choices) whose prefill
+            this one shares: it is held back while that request prefills, and when the final prefill chunk of the
+            source is planned it takes a slot of its own and receives a copy of the prompt's KV cache and of the
+            last prompt row's logits (:class:`ForkWork`) instead of prefilling; it then decodes alone with its own
+            random stream. Added after its source and before that prefill ends (``DeviceLoop.submit_group``).
+            When the source ends before its prefill, or no slot is free at the fork, it prefills itself.
     """
 
     request_id: str
@@ -157,6 +163,7 @@ class Request:
     draft_hypothesis: tuple[int, ...] | None = None
     model: str = "default"
     mm_inputs: tuple[MMInput, ...] = ()
+    fork_of: str | None = None
     # state
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
@@ -236,6 +243,21 @@ class PrefillWork:
     def final(self) -> bool:
         """True when this chunk ends the context (its last row yields the first new token)."""
         return self.start + self.num_tokens >= len(self.request.context)
+
+
+@dataclass(frozen=True)
+class ForkWork:
+    """``request`` starts as a copy of ``source`` (the id of a request whose final prefill chunk is in the same
+    plan): after that chunk's forward the executor copies the source slot's KV cache (columns ``[0, prompt)``)
+    into ``slot`` and samples the fork's first token from the source's last prompt row with the fork's own
+    random stream. The fork's prompt is never run through the target: ``n`` choices cost one prefill (the idea of
+    vLLM's parallel sampling, whose choices share the prompt's KV blocks, and of SGLang's ``fork``; here slots are
+    static, so the prompt columns are copied once, on the device).
+    """
+
+    request: Request
+    slot: int
+    source: str
 
 
 @dataclass(frozen=True)
@@ -321,6 +343,8 @@ class StepPlan:
     ``released`` slots belong to finished requests: drop all their executor state. ``preempted`` slots belong
     to requests that will resume later: free their KV cache (target and drafters) but keep their random
     streams, adaptive tree budgets and prefix embeddings. The executor handles both before anything else.
+    ``forks`` start from the KV cache and the last logits row of a final prefill chunk of ``prefills``; each
+    gets a :class:`RequestStepResult` of its own (``is_prefill``: its first token).
     """
 
     step: int
@@ -329,6 +353,7 @@ class StepPlan:
     released: tuple[SlotRelease, ...] = ()  # finished: their executor state must be dropped
     encodes: tuple[EncodeWork, ...] = ()
     preempted: tuple[SlotRelease, ...] = ()  # preempted: their KV cache must be freed
+    forks: tuple[ForkWork, ...] = ()  # requests that copy the prompt of a prefill of this plan (its final chunk)
 
     @property
     def empty(self) -> bool:

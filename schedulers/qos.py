@@ -23,7 +23,10 @@ Policy, in the order :meth:`QosScheduler.schedule` applies it:
    service time) falls below ``promote_slack_s`` is **promoted**: it leaves batch's reserved share and competes
    for the budget ahead of every other batch request, but still after all interactive work, so it never passes a
    higher class. ``reserved_realtime_slots`` slots per model are for ``realtime`` only. Above
-   ``kv_high_watermark`` of the memory budget only ``realtime`` is admitted.
+   ``kv_high_watermark`` of the memory budget only ``realtime`` is admitted. **Forks** (``Request.fork_of``: the
+   other choices of an ``n > 1`` request) wait for their source's final prefill chunk and are admitted with it
+   (:class:`~specstream.schedulers.plan.ForkWork`: a slot and the memory for their context, no token budget),
+   so a prompt is prefilled once for all its choices.
 5. **Tree budgets**: what is left of the token budget grows trees up to what each request's drafters ask for,
    highest class first; ``batch`` keeps ``batch_share`` of the budget when it has work. Trees shrink (batch's
    first) when the step would verify more than ``spec_token_limit`` tokens (the forward turns compute-bound and
@@ -58,6 +61,7 @@ from specstream.schedulers.plan import (
     DecodeWork,
     EncodeItem,
     EncodeWork,
+    ForkWork,
     PrefillWork,
     Request,
     RequestStatus,
@@ -263,6 +267,7 @@ class _Meta:
     cached: int = 0  # context tokens in the KV cache during a chunked prefill
     planned: int = 0  # context tokens planned into the cache (cached + chunks not yet booked)
     encoded_bytes: int = 0  # encoder outputs held (memory budget, bytes mode)
+    fork_of: str | None = None  # held back until this request's source plans its final prefill chunk
 
 
 class QosScheduler:
@@ -310,6 +315,7 @@ class QosScheduler:
         self.prefill_s_per_token: dict[str, float] = {}
         self._fit: dict[str, StepCostFit] = {}  # model -> its steps' seconds against their tokens
         self._deferred_since: dict[str, float] = {}  # model -> when its rows started waiting for realtime work
+        self._forks: list[ForkWork] = []  # the forks the step being planned starts (``_prefill`` fills it)
 
     # -- per model ------------------------------------------------------------------------------------------
     @property
@@ -402,11 +408,29 @@ class QosScheduler:
             deadline = request.arrival_s + cfg.default_deadline_s[request.qos]
         self.requests[request.request_id] = request
         self._queued[request.request_id] = request
-        self._meta[request.request_id] = _Meta(self._seq, deadline, {i.item_id: i for i in request.encodes},
-                                               request.arrival_s)
+        fork_of = request.fork_of if self._can_fork_from(request) else None
+        self._meta[request.request_id] = _Meta(self._seq, deadline, {} if fork_of else {
+            i.item_id: i for i in request.encodes}, request.arrival_s, fork_of=fork_of)
         self._seq += 1
+        if fork_of is None:
+            self._enqueue_encodes(request)
+
+    def _enqueue_encodes(self, request: Request) -> None:
+        meta = self._meta[request.request_id]
+        meta.pending = {i.item_id: i for i in request.encodes}
         for item in request.encodes:
             self._encode_q[item.modality].append((request.request_id, item, request.arrival_s))
+
+    def _can_fork_from(self, request: Request) -> bool:
+        """``request`` names a fork source (:attr:`Request.fork_of`) of its model and prompt whose final prefill
+        chunk is not planned yet: it then waits for that chunk instead of prefilling (and encoding) itself."""
+        src = self.requests.get(request.fork_of) if request.fork_of is not None else None
+        if src is None or src.finished or src.model != request.model or src.prompt_ids != request.prompt_ids:
+            return False
+        if src.output_ids or self._meta[src.request_id].fork_of is not None:
+            return False
+        return src.request_id in self._queued or (
+            src.request_id in self.prefilling and self._meta[src.request_id].planned < len(src.context))
 
     def _reject(self, request: Request, reason: str, message: str) -> None:
         self.rejections[request.qos] += 1
@@ -470,6 +494,7 @@ class QosScheduler:
         rt = [r for r in order if r.qos == "realtime"]
         budget -= self._grow_trees(rt, nodes, budget - reserve, self._mem_left(nodes, ()))
         prefills, budget = self._prefill(ready, nodes, budget, reserve, now, deferred)
+        forks, self._forks = tuple(self._forks), []
         reserve = min(reserve, self._batch_reserve(order, [], now))  # what batch trees may still claim
         inter = [r for r in order if not self._is_batch_work(r, now) and r.qos != "realtime"]
         budget -= self._grow_trees(inter, nodes, budget - reserve, self._mem_left(nodes, prefills))
@@ -479,7 +504,7 @@ class QosScheduler:
                         for r in order)
         released, self._released = tuple(self._released), []
         preempted, self._preempted = tuple(self._preempted), []
-        plan = StepPlan(self._step, tuple(prefills), decodes, released, encodes, preempted)
+        plan = StepPlan(self._step, tuple(prefills), decodes, released, encodes, preempted, forks)
         kv = self.kv_fraction(plan)
         self.peak_kv_fraction = max(self.peak_kv_fraction, kv)
         if self.metrics:
@@ -501,12 +526,13 @@ class QosScheduler:
 
     def kv_tokens(self, plan: StepPlan | None = None) -> int:
         """Memory held by running and prefilling requests (tokens, or bytes with ``memory_budget_bytes``), plus
-        what ``plan`` writes (tree nodes, prefill chunks)."""
+        what ``plan`` writes (tree nodes, prefill chunks, the prompts copied into forks' slots)."""
         held = self._held()
         if plan is None:
             return held
         return held + sum(d.node_budget * self._unit(d.request) for d in plan.decodes) + sum(
-            p.num_tokens * self._unit(p.request) for p in plan.prefills)
+            p.num_tokens * self._unit(p.request) for p in plan.prefills) + sum(
+            len(f.request.context) * self._unit(f.request) for f in plan.forks)
 
     def kv_fraction(self, plan: StepPlan | None = None) -> float:
         return self.kv_tokens(plan) / self.kv_budget
@@ -614,6 +640,9 @@ class QosScheduler:
         guarded = 0  # non-realtime prefill tokens planned this step while realtime is active
         spent_s = 0.0  # their estimated seconds (realtime_prefill_budget_s)
         cands = sorted(list(self.prefilling.values()) + ready, key=lambda r: self._key(r, now))
+        forks: list[ForkWork] = []
+        self._forks = forks
+        forked: set[str] = set()
         for req in cands:
             if req.model in deferred:
                 continue  # its model waits while realtime work of another model is active
@@ -624,6 +653,8 @@ class QosScheduler:
             if not cont and not self._free[req.model]:
                 continue  # no slot of its model (another model's request may still go)
             meta = self._meta[req.request_id]
+            if meta.fork_of is not None or req.request_id in forked:
+                continue  # it starts as a copy of its source's prefill (planned with that chunk)
             start = meta.planned if cont else 0
             left = len(req.context) - start
             room = math.floor((budget if batch_work else budget - reserve) / self._cost(req) + 1e-9)
@@ -669,12 +700,45 @@ class QosScheduler:
             meta.planned = start + n
             budget -= n * self._cost(req)
             growth += n * self._unit(req)
+            if meta.planned >= len(req.context):
+                growth += self._plan_forks(req, forks, growth, now)
+                forked.update(fw.request.request_id for fw in forks)
             if req.qos != "realtime":
                 guarded += n
                 spent_s += n * self.prefill_s_per_token.get(req.model, 0.0)
             if batch_work:
                 reserve = max(0.0, reserve - n * self._cost(req))
         return prefills, budget
+
+    def _plan_forks(self, source: Request, forks: list[ForkWork], growth: int, now: float) -> int:
+        """``source``'s final prefill chunk is planned: every request waiting to fork from it takes a slot now
+        (when one is free and the memory budget has room for its context and output) and is planned as a
+        :class:`ForkWork`; the others stop waiting and prefill themselves later. Costs no token budget (a fork adds
+        no row to the forward). Returns the memory units the forks hold after the step."""
+        limit = self.kv_budget if source.qos == "realtime" else self.config.kv_high_watermark * self.kv_budget
+        held = 0
+        for child in sorted((r for r in self._queued.values()
+                             if self._meta[r.request_id].fork_of == source.request_id),
+                            key=lambda r: self._meta[r.request_id].seq):
+            meta = self._meta[child.request_id]
+            meta.fork_of = None
+            need = (len(child.context) + child.remaining) * self._unit(child)
+            if not self._can_take_slot(child) or self._held() + growth + held + need > limit:
+                continue  # no slot or no room: it prefills itself (the executor shares the prompt embeddings)
+            self._admit(child, now)
+            meta.planned = len(child.context)
+            forks.append(ForkWork(child, child.slot, source.request_id))
+            held += len(child.context) * self._unit(child)
+        return held
+
+    def _release_forks(self, source: Request) -> None:
+        """``source`` ended before its final prefill chunk: requests waiting to fork from it prefill themselves
+        (their media are queued for encoding now)."""
+        for child in list(self._queued.values()):
+            meta = self._meta[child.request_id]
+            if meta.fork_of == source.request_id:
+                meta.fork_of = None
+                self._enqueue_encodes(child)
 
     def _admit(self, req: Request, now: float) -> None:
         self._queued.pop(req.request_id)
@@ -844,6 +908,7 @@ class QosScheduler:
         return finished
 
     def _finish(self, req: Request) -> None:
+        self._release_forks(req)
         req.status = RequestStatus.FINISHED
         self.running.pop(req.request_id, None)
         self.prefilling.pop(req.request_id, None)

@@ -182,6 +182,9 @@ class DeviceLoop:
         self._calls: list = []
         self._thread: threading.Thread | None = None
         self._stopping = False
+        #: the device thread has taken its last work (stopping): runners and calls are then applied inline, so a
+        #: model that finishes loading during a shutdown neither waits forever nor is lost
+        self._exited = False
         self.failed: dict[str, str] = {}  # model name -> why it could not be loaded (its endpoints are down)
 
     def add_runner(self, runner: ModelRunner) -> ModelRunner:
@@ -199,10 +202,13 @@ class DeviceLoop:
 
             done: concurrent.futures.Future = concurrent.futures.Future()
             with self._lock:
-                self._adds.append((runner, done))
-                self._lock.notify()
-            done.result()
-            return runner
+                queued = not self._exited  # a thread that is ending takes no more: add it here instead
+                if queued:
+                    self._adds.append((runner, done))
+                    self._lock.notify()
+            if queued:
+                done.result()
+                return runner
         self._add_runner_now(runner)
         return runner
 
@@ -224,8 +230,12 @@ class DeviceLoop:
 
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            self._calls.append((fn, args, kwargs, fut))
-            self._lock.notify()
+            queued = not self._exited
+            if queued:
+                self._calls.append((fn, args, kwargs, fut))
+                self._lock.notify()
+        if not queued:  # the thread has ended (stop): nothing else runs on the device now
+            return fn(*args, **kwargs)
         return fut.result()
 
     def mark_failed(self, model: str, why: str) -> None:
@@ -268,6 +278,8 @@ class DeviceLoop:
                                       f"in mm_inputs, or encoder_output=)")
         if request.request_id in self._entries:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.fork_of is not None and encoder_output is not None:
+            raise InvalidRequestError("a fork shares its source's encoder output; give none of its own")
         self.scheduler.add(request)
         ex.admit(request)
         if encoder_output is not None:
@@ -321,7 +333,7 @@ class DeviceLoop:
     def split(self, plan: StepPlan) -> dict[str, StepPlan]:
         """The plan's part for each model (encode batches go to the runner consuming their modality)."""
         parts: dict[str, dict] = {name: {"prefills": [], "decodes": [], "released": [], "encodes": [],
-                                         "preempted": []} for name in self.runners}
+                                         "preempted": [], "forks": []} for name in self.runners}
         for p in plan.prefills:
             parts[p.request.model]["prefills"].append(p)
         for d in plan.decodes:
@@ -330,13 +342,15 @@ class DeviceLoop:
             parts[rel.model]["released"].append(rel)
         for rel in plan.preempted:
             parts[rel.model]["preempted"].append(rel)
+        for fw in plan.forks:
+            parts[fw.request.model]["forks"].append(fw)
         for work in plan.encodes:
             owner = next((n for n, r in self.runners.items() if r.executor.handles(work.modality)), None)
             if owner is None:  # nobody encodes it: the executor answers with a clear error per item
                 owner = self._model_of(work.items[0][0])
             parts[owner]["encodes"].append(work)
         return {name: StepPlan(plan.step, tuple(v["prefills"]), tuple(v["decodes"]), tuple(v["released"]),
-                               tuple(v["encodes"]), tuple(v["preempted"]))
+                               tuple(v["encodes"]), tuple(v["preempted"]), tuple(v["forks"]))
                 for name, v in parts.items()}
 
     def step(self) -> list[Request]:
@@ -403,6 +417,7 @@ class DeviceLoop:
 
         set_thread_policy()  # torch is loaded by now: this reaches the child processes started from here on
         self._stopping = False
+        self._exited = False
         self._thread = threading.Thread(target=self._main, name=f"specstream-device-{self.device}", daemon=True)
         self._thread.start()
 
@@ -460,6 +475,48 @@ class DeviceLoop:
             self.cancel(request.request_id)
             raise
 
+    def submit_group(self, requests: Sequence[Request], on_tokens: Sequence[Callable[[TokenDelta], None] | None],
+                     on_admitted: Callable[[], None] | None = None) -> list:
+        """Queue ``requests`` together from an asyncio task (the device thread takes all of them before its next
+        step, in order) and return one awaitable per request, each as :meth:`submit`'s. This is how ``n`` choices
+        of one prompt go in: the first is the source, the others name it in :attr:`Request.fork_of`, so the
+        scheduler plans them as forks of its prefill. ``on_admitted`` runs once every request was taken.
+        Cancelling an awaiting task cancels its request.
+
+        Raises:
+            ValueError: ``on_tokens`` does not give one entry per request.
+        """
+        if len(on_tokens) != len(requests):
+            raise ValueError(f"{len(requests)} requests but {len(on_tokens)} on_tokens callbacks")
+        import concurrent.futures
+
+        aio = asyncio.get_running_loop()
+        self.start()
+        left = [len(requests)]
+
+        def one_admitted() -> None:  # device thread
+            left[0] -= 1
+            if left[0] == 0 and on_admitted is not None:
+                aio.call_soon_threadsafe(on_admitted)
+
+        futs = []
+        with self._lock:
+            for req, cb in zip(requests, on_tokens):
+                wrapped = None if cb is None else (
+                    lambda r, toks, _f=cb: aio.call_soon_threadsafe(_f, TokenDelta.of(r, toks)))
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                self._submitted.append((req, _Entry(req.model, wrapped, fut), {"_admitted": one_admitted}))
+                futs.append(fut)
+            self._lock.notify()
+        return [self._await(req, fut) for req, fut in zip(requests, futs)]
+
+    async def _await(self, request: Request, fut) -> Request:
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            self.cancel(request.request_id)
+            raise
+
     def _main(self) -> None:
         while True:
             with self._lock:
@@ -498,6 +555,10 @@ class DeviceLoop:
                     self._fail_all(exc)
                 continue
             if stopping:
+                with self._lock:
+                    if self._adds or self._calls:
+                        continue  # queued while this iteration ran: apply them first
+                    self._exited = True
                 return
             with self._lock:
                 if not (self._submitted or self._cancels or self._adds or self._calls or self._stopping):

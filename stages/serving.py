@@ -343,10 +343,17 @@ class ModelHub:
         loop: the process's device loop (a server's, a worker's); None: the hub makes one (``specstream qa``).
         captioner: the process's :class:`~specstream.stages.caption.Captioner` (or a function returning it), so the
             hub serves that VLM runner instead of loading a second copy; None: the hub loads its own VLM.
+        speech_loader: ``async () -> SpeechModel`` of the loop's owner (the server's app state, whose speech
+            service is the loop's ``whisper`` runner), awaited on first use instead of loading a second Whisper into
+            the same loop (which failed: ``a model named 'whisper' is already in the device loop``).
     """
 
-    def __init__(self, config: HubConfig, metrics=None, speech=None, loop=None, captioner=None):
+    def __init__(self, config: HubConfig, metrics=None, speech=None, loop=None, captioner=None,
+                 speech_loader: Callable[[], Any] | None = None):
         self.config = config
+        #: ``async () -> SpeechModel``: the owner of the loop's ``whisper`` runner (the server's app state); the hub
+        #: then never loads a Whisper model of its own into that loop
+        self._speech_loader = speech_loader
         self.metrics = metrics
         self._loop = loop
         self._made_loop = loop is None  # the hub stops only a loop it made
@@ -621,12 +628,14 @@ class ModelHub:
                             on_admitted: Callable[[], None] | None = None,
                             schema: dict | None = None) -> list[Generation]:
         """``len(params)`` choices of one prompt (OpenAI's ``n``): the prompt is prepared once (chat template,
-        tokenisation, image preprocessing), then one request per choice is submitted to the device loop at once,
-        each with its own ``GenerationParams`` (its own seed: its own random stream), so the choices decode as rows
-        of the same steps. The engine has no prefix sharing between KV cache slots, so each row prefills the prompt
-        itself (in the same forwards). ``on_delta(choice index, delta)``; ``on_admitted`` once every choice was
-        queued; ``schema``: as in :meth:`generate` (compiled once, one constraint per choice). Cancelling the awaiting
-        task cancels every choice. Raises as :meth:`generate`."""
+        tokenisation, image preprocessing) and **prefilled once**: the first choice is the source, the others are
+        forks of it (:attr:`~specstream.schedulers.plan.Request.fork_of`), submitted together
+        (``DeviceLoop.submit_group``); when the source's final prefill chunk runs, each fork gets a copy of the
+        prompt's KV cache in a slot of its own and samples its first token from the same logits row, then decodes
+        as a row of the same steps with its own ``GenerationParams`` (its own seed: its own random stream) and its
+        own logits processors (its own grammar state). The image is encoded once too. ``on_delta(choice index,
+        delta)``; ``on_admitted`` once every choice was queued; ``schema``: as in :meth:`generate` (compiled once,
+        one constraint per choice). Cancelling the awaiting task cancels every choice. Raises as :meth:`generate`."""
         if not params:
             raise InvalidRequestError("at least one choice")
         m = await self.model(self.kind_of(model, kind))
@@ -643,37 +652,41 @@ class ModelHub:
         if not m.eos:
             raise InvalidRequestError(f"model {m.info.id!r} names no end-of-sequence token")
         grammar = None if schema is None else await asyncio.to_thread(_grammar_of, m, schema)
-        admitted = [0]
-
-        def one_admitted() -> None:
-            admitted[0] += 1
-            if admitted[0] == len(params) and on_admitted is not None:
-                on_admitted()
-
-        tasks = [asyncio.ensure_future(self._one(m, ids, prep, visual, max_new, p, qos, hypothesis, grammar,
-                                                 None if on_delta is None else functools.partial(on_delta, i),
-                                                 one_admitted)) for i, p in enumerate(params)]
+        reqs, streams = [], []
+        for i, p in enumerate(params):
+            # its own request, with its own grammar constraint (which holds per-request matcher state)
+            bias, min_p = p.processors()
+            procs = bias + (() if grammar is None else (grammar.constraint(n),)) + min_p
+            if prep is not None:
+                req = m.make_request(prep, max_new, p, qos, hypothesis, procs)
+            else:
+                req = m.make_request(None, max_new, p, qos, hypothesis, procs, ids=ids)
+            if reqs:
+                req.fork_of = reqs[0].request_id  # one prefill: the other choices fork from the first
+            reqs.append(req)
+            streams.append(_Stream(m, p, functools.partial(self.loop.cancel, req.request_id),
+                                   None if on_delta is None else functools.partial(on_delta, i), self.finished, qos))
+        waits = self.loop.submit_group(reqs, [st.on_tokens for st in streams], on_admitted)
+        tasks = [asyncio.ensure_future(self._follow(m, ids, prep, visual, p, qos, st, w))
+                 for p, st, w in zip(params, streams, waits)]
         try:
             return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for req in reqs:  # also those whose task never started (a no-op for finished requests)
+                self.loop.cancel(req.request_id)
+            raise
         finally:
             for t in tasks:  # one choice failed, or the caller cancelled: the others end too
                 if not t.done():
                     t.cancel()
 
-    async def _one(self, m, ids, prep, visual, max_new, params: GenerationParams, qos, hypothesis, grammar,
-                   on_delta, on_admitted) -> Generation:
-        """One choice of :meth:`generate_many`: its request (with its own grammar constraint, which holds
-        per-request matcher state), submitted and followed to its end."""
+    async def _follow(self, m, ids, prep, visual, params: GenerationParams, qos, stream: "_Stream",
+                      wait) -> Generation:
+        """One choice of :meth:`generate_many`: its request (already submitted; ``wait`` resolves with it)
+        followed to its end."""
         n = len(ids)
-        bias, min_p = params.processors()
-        procs = bias + (() if grammar is None else (grammar.constraint(n),)) + min_p
-        if prep is not None:
-            req = m.make_request(prep, max_new, params, qos, hypothesis, procs)
-        else:
-            req = m.make_request(None, max_new, params, qos, hypothesis, procs, ids=ids)
-        stream = _Stream(m, params, lambda: self.loop.cancel(req.request_id), on_delta, self.finished, qos)
         try:
-            finished = await self.loop.submit(req, on_tokens=stream.on_tokens, on_admitted=on_admitted)
+            finished = await wait
         except asyncio.CancelledError:  # the loop cancelled the request: its slot is freed before the next step
             self.cancelled += 1
             if not stream.logged:  # the tokens the caller received (deltas), not a list the device thread extends
@@ -697,6 +710,8 @@ class ModelHub:
     # -- speech ------------------------------------------------------------------------------------------------------
     async def speech_model(self):
         """The Whisper model (loaded on first use)."""
+        if self._speech is None and self._speech_loader is not None:
+            self._speech = await self._speech_loader()
         if self._speech is None:
             async with self._locks["speech"]:
                 if self._speech is None:

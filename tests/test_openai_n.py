@@ -1,5 +1,5 @@
-"""``n > 1`` on ``/v1/chat/completions`` and ``/v1/completions``: n choices of one prompt, decoded as rows of the
-same engine steps, each with its own random stream. Greedy gives n identical choices (equal to ``n=1``), sampled
+"""``n > 1`` on ``/v1/chat/completions`` and ``/v1/completions``: n choices of one prompt share its prefill (one
+prefill, then n decode rows of the same engine steps), each with its own random stream. Greedy gives n identical choices (equal to ``n=1``), sampled
 choices differ, streaming carries each choice's ``index``, usage counts the prompt once."""
 
 from __future__ import annotations
@@ -45,6 +45,29 @@ def test_greedy_choices_are_identical_and_equal_one_choice(client):
     assert res.status_code == 200, res.text
     c = res.json()["choices"]
     assert [x["index"] for x in c] == [0, 1] and c[0]["token_ids"] == c[1]["token_ids"] and c[0]["text"] == c[1]["text"]
+
+
+def test_n_choices_prefill_the_prompt_once(client):
+    """One prefill, n decode rows: the plans of the request's steps prefill the prompt's tokens once for n=4
+    (the old code prefilled each choice: 4x), and the choices are the single request's greedy output."""
+    loop = client.app.state.specstream.loop
+    one = _chat(client, temperature=0)
+    plans, schedule = [], loop.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        plans.append(plan)
+        return plan
+
+    loop.scheduler.schedule = recording
+    try:
+        four = _chat(client, temperature=0, n=4)
+    finally:
+        del loop.scheduler.schedule
+    prompt = four["usage"]["prompt_tokens"]
+    assert sum(p.num_tokens for plan in plans for p in plan.prefills) == prompt
+    assert sum(len(plan.forks) for plan in plans) == 3
+    assert [c["token_ids"] for c in four["choices"]] == [one["choices"][0]["token_ids"]] * 4
 
 
 def test_sampled_choices_have_their_own_streams(client):

@@ -94,6 +94,24 @@ def test_parse_with_a_pydantic_model_and_an_image(client, src):
         assert r.choices[0].message.content.startswith("{")
 
 
+def test_n_sampled_choices_each_follow_the_schema_from_one_prefill(client, src):
+    """n=3 sampled choices under a JSON Schema, with an image: the forks of the prompt's one prefill each carry a
+    grammar state of their own (their first token is drawn through their own constraint), so every choice is JSON
+    of the schema (or, cut at max_tokens, a prefix of one)."""
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(src["astronaut"])}},
+                                         {"type": "text", "text": "Review this."}]}]
+    r = client.chat.completions.create(model=VLM, messages=msgs, max_tokens=80, temperature=1.0, seed=5, n=3,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "r", "schema": Review.model_json_schema(), "strict": True}})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), Review.model_json_schema())
+        else:
+            assert c.finish_reason == "length" and c.message.content.startswith("{")
+    assert len({c.message.content for c in r.choices}) > 1
+
+
 def test_a_grammar_that_cannot_finish_ends_with_length_and_the_partial_text(client):
     r = client.chat.completions.create(model=VLM, messages=ASK, max_tokens=3, temperature=0, response_format={
         "type": "json_schema", "json_schema": {"name": "r", "schema": Review.model_json_schema(), "strict": True}})

@@ -36,6 +36,7 @@ from specstream.schedulers.plan import (
     DecodeWork,
     EncodeResult,
     EncodeWork,
+    ForkWork,
     PrefillWork,
     Request,
     RequestStepResult,
@@ -177,6 +178,10 @@ class SpeculativeExecutor:
         self.adaptive = adaptive
         self.states: dict[str, RequestState] = {}
         self.target_forwards = 0
+        #: prompt (context) tokens run through the target by prefill rows, every chunk counted (a fork adds none)
+        self.prefill_tokens = 0
+        #: requests started as a fork of another's prefill (:class:`~specstream.schedulers.plan.ForkWork`)
+        self.forks = 0
         n_layers = len(target.model.layers) if hasattr(target, "model") and hasattr(target.model, "layers") else 0
         #: layers whose attention on visual tokens is exported (default: the second half of the decoder)
         self.attention_layers = tuple(attention_layers) if attention_layers is not None else tuple(
@@ -357,7 +362,14 @@ class SpeculativeExecutor:
         return self.gate.cut(decodes, choice, self.depth_nodes)
 
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Run ``plan``: draft, target forward(s), batched verification on the device, one host copy, commit."""
+        """Run ``plan``: draft, target forward(s), batched verification on the device, one host copy, commit.
+        ``plan.forks`` start from the prompt of a final prefill chunk of the plan: after that forward each copies
+        the source slot's K/V and verifies the source's last logits row with its own random stream (its result
+        follows the rows' results).
+
+        Raises:
+            ValueError: a fork whose source has no final prefill chunk in the plan, or whose context differs.
+        """
         t_start = time.perf_counter()
         for rel in plan.released:
             self.release(rel.request_id, rel.slot)
@@ -367,6 +379,10 @@ class SpeculativeExecutor:
             self.admit(work.request)
         for work in plan.decodes:
             self.admit(work.request)
+        forks: dict[str, list[ForkWork]] = {}
+        for fw in plan.forks:
+            self.admit(fw.request)
+            forks.setdefault(fw.source, []).append(fw)
         encoded = self._encode(plan.encodes)
         if not plan.prefills and not plan.decodes:
             return StepOutput(plan.step, (), 0, 0, time.perf_counter() - t_start, encoded)
@@ -385,14 +401,20 @@ class SpeculativeExecutor:
                 if st.encoder_output is not None:
                     self.target.set_encoder_output(self.cache, work.slot, st.encoder_output)
                     st.encoder_output = None  # in the slot now (a preemption copies it out again)
+            if work.final and st.prefix_embeds is not None:
+                self._share_prefix_embeds(st)
             rows.append(_Row(st, work, work.slot, work.start, list(work.tokens)))
+            self.prefill_tokens += work.num_tokens
+        missing = set(forks) - {w.request.request_id for w in plan.prefills if w.final}
+        if missing:
+            raise ValueError(f"forks of {sorted(missing)} without their source's final prefill chunk in the plan")
         compiled = None
         if decodes:
             compiled = compile_trees(trees, self.target.device, self.target.config.vocab_size)
             for j, (work, tree) in enumerate(zip(decodes, trees)):
                 st = self.states[work.request.request_id]
                 rows.append(_Row(st, work, work.slot, self.cache.lengths[work.slot], tree.tokens, tree, j))
-        results = self._run_rows(rows, compiled)
+        results = self._run_rows(rows, compiled, forks)
         verify_s = time.perf_counter() - t_verify
         if drafted and verify_s > 0 and self.cost_aware:
             ratio = draft_s / verify_s
@@ -421,6 +443,7 @@ class SpeculativeExecutor:
             dataclasses.replace(r, draft_s=0.0 if r.is_prefill else draft_s / n_dec, verify_s=verify_s / len(rows))
             for r in results
         ]
+        self.forks += len(plan.forks)
         return StepOutput(plan.step, tuple(results), self._forwards_this_step, sum(len(r.tokens) for r in rows),
                           time.perf_counter() - t_start, encoded)
 
@@ -438,16 +461,53 @@ class SpeculativeExecutor:
                 merged.append(i)
         return ([alone] if alone else []) + [merged]
 
-    def _run_rows(self, rows: list[_Row], compiled: CompiledTrees | None) -> list[RequestStepResult]:
+    def _share_prefix_embeds(self, source: RequestState) -> None:
+        """A source's prompt embeddings go to every request forked from it (shared, read-only ``[n_prompt,
+        hidden]``): a fork that found no slot, or is preempted later, prefills itself with them."""
+        rid = source.request.request_id
+        for st in self.states.values():
+            if st.request.fork_of == rid and st.prefix_embeds is None:
+                st.prefix_embeds = source.prefix_embeds
+
+    def _run_rows(self, rows: list[_Row], compiled: CompiledTrees | None,
+                  forks: dict[str, list[ForkWork]] | None = None) -> list[RequestStepResult]:
+        """Every row's result in row order, then one per fork (in the order of the forks' source rows)."""
         self._forwards_this_step = 0
         out: list[RequestStepResult | None] = [None] * len(rows)
+        extra: list[RequestStepResult] = []
         for group in self._groups(rows):
             part = [rows[i] for i in group]
-            for i, res in zip(group, self._forward_and_verify(part, compiled)):
-                out[i] = res
-        return out  # type: ignore[return-value]
+            mine = [fw for r in part if r.is_prefill for fw in (forks or {}).get(r.request.request_id, ())]
+            res = self._forward_and_verify(part, compiled, mine)
+            for i, r in zip(group, res):
+                out[i] = r
+            extra.extend(res[len(group):])
+        return out + extra  # type: ignore[operator]
 
-    def _forward_and_verify(self, rows: list[_Row], compiled: CompiledTrees | None) -> list[RequestStepResult]:
+    def _fork_rows(self, rows: list[_Row], forks: list[ForkWork], logits: torch.Tensor,
+                   attn: dict) -> tuple[list[_Row], torch.Tensor, dict]:
+        """Rows for ``forks``: each copies its source row's slot (the prompt's K/V, columns ``[0, prompt)``) into
+        its own slot and takes the source's logits row ``[R, V]`` (and attention rows), so verification samples its
+        first token with its own random stream and its own logits processors. One device copy per fork."""
+        at = {r.request.request_id: i for i, r in enumerate(rows)}
+        src_idx, out = [], []
+        for fw in forks:
+            i = at[fw.source]
+            src = rows[i]
+            if src.work.start + src.work.num_tokens != len(fw.request.context):
+                raise ValueError(f"fork {fw.request.request_id!r} has a context of {len(fw.request.context)} "
+                                 f"tokens; its source {fw.source!r} prefilled {src.prefix + len(src.tokens)}")
+            self.cache.copy_prefix(src.slot, fw.slot, src.prefix + len(src.tokens))
+            work = PrefillWork(fw.request, fw.slot, src.work.num_tokens, src.work.start)
+            out.append(_Row(self.states[fw.request.request_id], work, fw.slot, src.prefix, src.tokens))
+            src_idx.append(i)
+        idx = torch.tensor(src_idx, device=logits.device)
+        logits = torch.cat([logits, logits.index_select(0, idx)])
+        attn = {layer: torch.cat([a, a.index_select(0, idx.to(a.device))]) for layer, a in attn.items()}
+        return out, logits, attn
+
+    def _forward_and_verify(self, rows: list[_Row], compiled: CompiledTrees | None,
+                            forks: list[ForkWork] = ()) -> list[RequestStepResult]:
         device = self.target.device
         b = len(rows)
         t = max(len(r.tokens) for r in rows)
@@ -508,6 +568,9 @@ class SpeculativeExecutor:
         logits, attn = self.target.forward_batch(self.cache, batch)  # [B, R, V] on the device
         self.target_forwards += 1
         self._forwards_this_step += 1
+        if forks:  # after the forward: the source slots hold the prompt now
+            extra, logits, attn = self._fork_rows(rows, forks, logits, attn or {})
+            rows = rows + extra
         return self._verify_and_commit(rows, logits, attn, sub, tree_anc)
 
     @staticmethod

@@ -73,6 +73,21 @@ class KVCache:
             self.k[:, slot, :, start:end].zero_()
             self.v[:, slot, :, start:end].zero_()
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Make slot ``dst`` hold the first ``length`` columns of slot ``src`` (keys, values and positions of every
+        layer; one device copy each) and set its length: a fork of a prefilled prompt (``n`` choices share one
+        prefill). Columns of ``dst`` past ``length`` keep what they held (stale, masked, finite).
+
+        Raises:
+            ValueError: ``src == dst``, or ``length`` outside ``[0, max_len]``.
+        """
+        if src == dst or not 0 <= length <= self.max_len:
+            raise ValueError(f"cannot copy {length} columns of slot {src} into slot {dst}")
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.positions[dst, :length] = self.positions[src, :length]
+        self.lengths[dst] = length
+
     def write(self, layer: int, slots: torch.Tensor, write_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store new keys/values (made finite first when :attr:`sanitize` is set).
 

@@ -132,6 +132,14 @@ class WhisperKVCache(KVCache):
         super().reset(slot)
         self.enc_lengths[slot] = 0
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """:meth:`KVCache.copy_prefix`, and the slot's cross-attention keys/values with it."""
+        super().copy_prefix(src, dst, length)
+        n = self.enc_lengths[src]
+        self.cross_k[:, dst, :, :n] = self.cross_k[:, src, :, :n]
+        self.cross_v[:, dst, :, :n] = self.cross_v[:, src, :, :n]
+        self.enc_lengths[dst] = n
+
 
 class _WhisperAttention(nn.Module):
     """Whisper's attention projections (HF names; the key has no bias) and the head split."""
