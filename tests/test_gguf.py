@@ -192,7 +192,7 @@ def test_killed_conversion_never_leaves_a_usable_looking_cache(tmp_path, cache):
     converts again and removes the leftover."""
     path = write_gguf(tmp_path / "kill.gguf", "llama", random_state("llama", hidden=256, ffn=512, layers=4))
     env = {**os.environ, "SPECSTREAM_CACHE": str(cache)}
-    code = ("from specstream.stages.speculative.models.loader import resolve_checkpoint; "
+    code = ("from specstream.stages.speculative.models.checkpoint import resolve_checkpoint; "
             f"resolve_checkpoint({str(path)!r}, show_progress=False)")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
     root = cache / "converted"
