@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specstream.stages.speculative.tree import CompiledTrees
+from specstream.kernels.trees import CompiledTrees
 
 
 @dataclass

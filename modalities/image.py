@@ -65,7 +65,7 @@ def load_image(path: str | os.PathLike, limits=None) -> np.ndarray:
 def sniff_image(path: str | os.PathLike) -> str | None:
     """Pillow's name of the image format the file at ``path`` holds (``"PNG"``, ``"JPEG"``, ...), judged by its
     content: Pillow reads the header only, nothing is decoded. None when Pillow recognises no image, or the file
-    cannot be read (the loader then reports why). Call :func:`~specstream.modalities.video.sniff_container`
+    cannot be read (the loader then reports why). Call :func:`~specstream.modalities.sniff.sniff_container`
     first: Pillow also opens GIF animations, which specstream treats as videos. An image whose header is over
     twice Pillow's bomb limit is still an image: ``"OVERSIZED"`` (the loader refuses it by the media limits)."""
     try:

@@ -185,7 +185,7 @@ def check_video_file(path: str | os.PathLike, what: str | None = None, limits: M
     ``stsd`` sizes, a GIF by Pillow's header scan (every frame counts: an animation's frames are decoded in full).
     Other containers, and anything that is not a regular file (a FIFO would block this process), are checked by
     the decoding child from its probe (:func:`check_stream`). Raises :class:`MediaLimitError`."""
-    from specstream.modalities.video import SNIFF_BYTES, sniff_container
+    from specstream.modalities.sniff import SNIFF_BYTES, sniff_container
 
     import stat
 

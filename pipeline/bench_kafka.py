@@ -28,7 +28,7 @@ def _inputs(n: int) -> list[str]:
 async def _embedded(paths, captioner, max_new: int) -> dict:
     from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, InProcessBroker
     from specstream.pipeline.messages import PipelineRequest, Source
-    from specstream.stages.caption import CaptionStage, KeyframeStage
+    from specstream.pipeline.caption_stages import CaptionStage, KeyframeStage
 
     broker = InProcessBroker()
     ks, cs = KeyframeStage(broker), CaptionStage(broker, captioner)

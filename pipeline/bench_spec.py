@@ -273,7 +273,7 @@ def main(args) -> int:
     else:
         root = Path(tempfile.gettempdir()) / ("specstream-bench-quick" if args.quick else "specstream-bench-mid")
         target, draft = build_models(root, spec)
-    from specstream.stages.speculative.models.loader import resolve_checkpoint
+    from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
 
     from specstream.pipeline.bench_spec_real import cpu_model, read_bandwidth
 

@@ -335,7 +335,7 @@ def run(args) -> dict:
 
     import torch
 
-    from specstream.stages.speculative.models.loader import resolve_checkpoint
+    from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
 
     torch.set_num_threads(args.threads)
     show = False if args.no_progress else None
@@ -516,10 +516,6 @@ def write(results: dict, out: Path) -> None:
 
 def main(args) -> int:
     """``specstream bench spec --real`` (arguments from the CLI's ``bench spec`` parser)."""
-    if getattr(args, "structured", False):
-        from specstream.pipeline.bench_structured import main as structured_main
-
-        return structured_main(args)
     if args.table_from:
         results = json.loads(Path(args.table_from).read_text())
         print(markdown(results))

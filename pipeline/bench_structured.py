@@ -217,7 +217,7 @@ def main(args) -> int:
     from specstream.pipeline.bench_spec_real import DRAFT, TARGET
     from specstream.stages.serving import _eos_ids
     from specstream.stages.speculative.grammar import tokenizer_info
-    from specstream.stages.speculative.models.loader import resolve_checkpoint
+    from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
 
     torch.set_num_threads(args.threads)
     show = False if args.no_progress else None

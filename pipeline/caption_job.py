@@ -21,16 +21,8 @@ from specstream.pipeline.messages import ErrorInfo, PipelineRequest, PipelineRes
 # full-resolution keyframes waiting between the keyframe and caption stages, at most; with the caption stage's
 # window (CaptionStage.max_in_flight) and one pending frame per video being decoded, this bounds the frames alive
 FRAMES_TOPIC_BOUND = 4
-from specstream.stages.caption import (
-    IMAGE_EXTS,
-    VIDEO_EXTS,
-    Captioner,
-    CaptionStage,
-    KeyframeStage,
-    error_info,
-    media_kind,
-    sniff_media,
-)
+from specstream.stages.caption import IMAGE_EXTS, VIDEO_EXTS, Captioner, media_kind, sniff_media
+from specstream.pipeline.caption_stages import CaptionStage, KeyframeStage, error_info
 
 
 @dataclass

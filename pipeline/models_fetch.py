@@ -285,6 +285,25 @@ def fetch_model(name: str, show_progress: bool | None = None) -> Path:
     return folder
 
 
+class RegistryFetcher:
+    """The :data:`MODELS` registry as the loader's :class:`~specstream.stages.speculative.models.loader.ModelFetcher`
+    (read live, so a name added to :data:`MODELS` is seen)."""
+
+    def names(self):
+        return MODELS.keys()
+
+    def fetch(self, name: str, show_progress: bool | None = None) -> Path:
+        return fetch_model(name, show_progress=show_progress)
+
+
+def install() -> None:
+    """Inject the registry into the checkpoint loader, so ``resolve_checkpoint("qwen2.5-coder-1.5b-instruct")``
+    fetches on first use. Called where the process is composed: the CLI, ``create_app``, the public API."""
+    from specstream.stages.speculative.models.checkpoint import set_model_fetcher
+
+    set_model_fetcher(RegistryFetcher())
+
+
 def models_main(argv: list[str]) -> int:
     """``specstream models fetch NAME... | list``: fetch registered real weights (prints each path)."""
     import argparse

@@ -404,7 +404,7 @@ class _Media:
 
     def _store(self, data: bytes, mime: str, want: str) -> tuple[str, str]:
         """(path, display name) of ``data`` written into the request's folder; counts against the budget."""
-        from specstream.pipeline.server import _media_suffix, upload_display_name
+        from specstream.pipeline.uploads import media_suffix, upload_display_name
 
         self.budget -= len(data)
         ext = {"image/png": ".png", "image/jpeg": ".jpg", "image/webp": ".webp", "image/gif": ".gif",
@@ -412,7 +412,7 @@ class _Media:
         shown = upload_display_name(f"{want}{ext}")
         if self.tmpdir is None:
             self.tmpdir = tempfile.mkdtemp(prefix="specstream-openai-")
-        path = os.path.join(self.tmpdir, f"media{secrets.token_hex(4)}" + _media_suffix(shown))
+        path = os.path.join(self.tmpdir, f"media{secrets.token_hex(4)}" + media_suffix(shown))
         with open(path, "wb") as fh:
             fh.write(data)
         return path, shown
@@ -560,7 +560,7 @@ async def _turns(body: ChatRequest, hub, settings) -> tuple[tuple, _Media]:
 async def _video_frames(hub, media: _Media, url: str, question: str, where: str, settings) -> list[np.ndarray]:
     """A video's keyframes chosen as ``specstream qa`` chooses them: spread over the scenes, or (with a CLIP model)
     the ones most similar to the message's text; at most ``chat_video_frames``, in time order."""
-    from specstream.stages.qa import spread_indices, top_k_indices
+    from specstream.pipeline.qa_stage import spread_indices, top_k_indices
 
     path, _, opened = await asyncio.to_thread(media.open, url, "video", where)
     try:
@@ -694,7 +694,7 @@ def _chat_message(gen, plan) -> tuple[dict[str, Any], str]:
 # -- the routes -----------------------------------------------------------------------------------------------------
 def openai_router(app_state) -> APIRouter:
     """The OpenAI-compatible routes over ``app_state`` (the server's ``AppState``)."""
-    from specstream.pipeline.server import FORM_OVERHEAD_BYTES
+    from specstream.pipeline.uploads import FORM_OVERHEAD_BYTES
     from specstream.stages.serving import QOS_INTERACTIVE, GenerationParams, Prompt
 
     state = OpenAIState(app_state)
@@ -976,7 +976,7 @@ _TRANSCRIPTION_DOC = {"requestBody": {"required": True, "content": {"multipart/f
 
 
 async def _transcription(request: Request, state: OpenAIState) -> Response:
-    from specstream.pipeline.server import FORM_OVERHEAD_BYTES, _media_suffix, upload_display_name
+    from specstream.pipeline.uploads import FORM_OVERHEAD_BYTES, media_suffix, upload_display_name
     from specstream.stages.serving import QOS_INTERACTIVE, has_audio_stream
 
     settings = state.settings
@@ -1012,7 +1012,7 @@ async def _transcription(request: Request, state: OpenAIState) -> Response:
         stream = _stream_flag(form.get("stream"), fmt)
         shown = upload_display_name(upload.filename)
         tmpdir = tempfile.mkdtemp(prefix="specstream-upload-")
-        path = os.path.join(tmpdir, "upload" + _media_suffix(shown))  # no part of the client's name
+        path = os.path.join(tmpdir, "upload" + media_suffix(shown))  # no part of the client's name
         size = 0
         with open(path, "wb") as fh:
             while chunk := await upload.read(1 << 20):

@@ -2,7 +2,7 @@
 
 A manifest line is ``{"id": "...", "video": "path or file:// URI", "questions": [{"id": "...", "text": "..."}]}``
 (relative paths are read relative to the manifest's folder). Each video becomes one ``video_qa`` request with its
-questions still to answer; :class:`~specstream.stages.qa.QaStage` answers them, in this process (an in-process
+questions still to answer; :class:`~specstream.pipeline.qa_stage.QaStage` answers them, in this process (an in-process
 broker) or, with ``--broker kafka://HOST:PORT``, in any number of ``specstream worker`` processes sharing the job
 through the consumer group, while this process collects the results.
 
@@ -414,7 +414,7 @@ async def run_qa(manifest: str, out_path: str, options: QaOptions, hub=None, kaf
 
 async def _run_embedded(hub, requests, index, on_result, concurrency: int) -> dict[str, Any]:
     from specstream.pipeline.broker import TOPIC_REQUESTS, TOPIC_RESULTS, InProcessBroker
-    from specstream.stages.qa import QaStage
+    from specstream.pipeline.qa_stage import QaStage
 
     broker = InProcessBroker()
     stage = QaStage(broker, hub, allowed_roots=None, concurrency=concurrency)
@@ -578,7 +578,7 @@ def qa_main(argv: list[str]) -> int:
             raise InvalidRequestError(f"{flag} must be >= 1, got {value}")
     if args.max_visual_tokens is not None and args.max_visual_tokens < 1:
         raise InvalidRequestError(f"--max-visual-tokens must be >= 1, got {args.max_visual_tokens}")
-    from specstream.stages.speculative.models.loader import weight_format
+    from specstream.stages.speculative.models.dtypes import weight_format
 
     for value in (args.dtype, args.draft_dtype, args.speech_dtype):
         if value is not None:

@@ -46,7 +46,14 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specstream.pipeline.server import CLOSE_POLICY, CLOSE_TRY_LATER, PcmDecoder, SubtitleSession, _Closed, run_session
+from specstream.pipeline.subtitle_session import (
+    CLOSE_POLICY,
+    CLOSE_TRY_LATER,
+    PcmDecoder,
+    SubtitleSession,
+    _Closed,
+    run_session,
+)
 
 log = logging.getLogger("specstream.server")
 

@@ -1,8 +1,8 @@
 """Two stages behind one requests topic: :class:`TaskRouter` splits ``specstream.requests`` by task.
 
 A broker has one subscriber per topic (one consumer group member per stage in Kafka). The worker's requests topic
-carries caption requests (for :class:`~specstream.stages.caption.KeyframeStage`) and ``video_qa`` /
-``transcribe`` / ``generate`` requests (for :class:`~specstream.stages.qa.QaStage`); the router consumes it once
+carries caption requests (for :class:`~specstream.pipeline.caption_stages.KeyframeStage`) and ``video_qa`` /
+``transcribe`` / ``generate`` requests (for :class:`~specstream.pipeline.qa_stage.QaStage`); the router consumes it once
 and hands each message on, unchanged, to the view of the stage that serves its task. Messages keep their
 acknowledgement callbacks, so offsets, commits, redelivery and the DLQ work exactly as with one stage. Each view
 holds at most ``maxsize`` messages not yet taken by its stage (beyond that the router waits: backpressure to the

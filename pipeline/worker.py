@@ -116,8 +116,8 @@ def encode_image(image: np.ndarray, fmt: str, quality: int) -> bytes:
 
 def frame_task_codec(settings: KafkaSettings) -> Codec:
     """FrameTask <-> (encoded image bytes, JSON metadata header)."""
-    from specstream.stages.caption import FrameTask
-    from specstream.stages.live import decode_image_bytes
+    from specstream.pipeline.caption_stages import FrameTask
+    from specstream.pipeline.live import decode_image_bytes
 
     def encode(t: FrameTask) -> tuple[bytes | None, dict[str, str]]:
         meta = {"request_id": t.request_id, "source": t.source, "kind": t.kind, "params": t.params.model_dump(),
@@ -273,9 +273,9 @@ async def _connect(broker: KafkaBroker, specs: list[tuple[str, dict[str, str]]])
 async def _start_stages(worker: Worker, broker: KafkaBroker, store: StateStore, captioner, run_kf: bool,
                         run_cap: bool) -> None:
     from specstream.pipeline.routing import TaskRouter
-    from specstream.stages.caption import CaptionStage, KeyframeStage
-    from specstream.stages.live import LiveKeyframeStage
-    from specstream.stages.qa import QA_TASKS, QaStage
+    from specstream.pipeline.caption_stages import CaptionStage, KeyframeStage
+    from specstream.pipeline.live import LiveKeyframeStage
+    from specstream.pipeline.qa_stage import QA_TASKS, QaStage
 
     s = worker.settings
     live = None

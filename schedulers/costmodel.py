@@ -3,7 +3,7 @@
 The simulator advances its virtual clock by :meth:`CostModel.plan_s` per :class:`~specstream.schedulers.plan.
 StepPlan`; the QoS scheduler uses the same model to decide whether speculation pays. Two profiles ship:
 
-- ``cpu-2core``: **measured** on this project's 2-core CPU machine by ``python -m specstream.schedulers.calibrate``
+- ``cpu-2core``: **measured** on this project's 2-core CPU machine by ``python -m specstream.pipeline.calibrate``
   (2026-11-30, load average ~1, torch 2.14.1, 2 threads; a mid-size random Llama, hidden 512, 8 layers, vocab
   8192, with a same-weights draft; a random CLIP ViT-B/32 tower; a random Whisper tiny encoder): the step model
   fits its 56 steps with R^2 0.994 (median relative error 6.5 %). An earlier run's prefill points also timed
@@ -112,7 +112,7 @@ class CostModel:
         return replace(self, **changes)
 
 
-# Measured: ``python -m specstream.schedulers.calibrate`` on 2026-11-30 (see the module docstring).
+# Measured: ``python -m specstream.pipeline.calibrate`` on 2026-11-30 (see the module docstring).
 CPU_2CORE = CostModel(
     name="cpu-2core",
     hardware="2-core x86 CPU, torch 2.14.1 float32, 2 threads; mid-size random Llama (hidden 512, 8 layers, "

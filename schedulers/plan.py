@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from specstream.kernels.sampling import SamplingParams
+from specstream.types import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -3,7 +3,7 @@
 The scheduler under test is the very class the live engine uses (:class:`~specstream.schedulers.qos.
 QosScheduler`, or a baseline); only the executor is replaced by :class:`SimExecutor`, which commits tokens
 according to each request's assumed draft ``acceptance`` and reports the tree sizes the executor's adaptive
-budget (the same :class:`~specstream.stages.speculative.drafters.base.AdaptiveBudget`) would ask for. Time
+budget (the same :class:`~specstream.schedulers.budget.AdaptiveBudget`) would ask for. Time
 advances by :meth:`CostModel.plan_s` per step. :func:`replay` drives any ``step()`` — the simulator's or the
 live engine's — over a trace on a virtual clock, so one trace gives comparable plans in both.
 
@@ -164,7 +164,7 @@ class SimExecutor:
     def __init__(self, cost: CostModel, acceptance: dict[str, float], max_len: int,
                  tree_widths: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1), full_nodes: int | None = None,
                  adaptive: bool = True, spec_gate: bool = False):
-        from specstream.stages.speculative.drafters.base import AdaptiveBudget
+        from specstream.schedulers.budget import AdaptiveBudget
 
         self._budget_cls = AdaptiveBudget
         self.cost = cost
@@ -558,9 +558,3 @@ def simulate_main(argv: list[str]) -> int:
               f"peak KV {summary['peak_kv_fraction']:.3f}")
     return 0
 
-
-def bench_scheduler_main(argv: list[str]) -> int:
-    """``specstream bench scheduler`` (see :mod:`specstream.schedulers.bench`)."""
-    from specstream.schedulers.bench import main
-
-    return main(argv)

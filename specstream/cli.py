@@ -116,7 +116,7 @@ def _read_prompt_ids_file(path: Path) -> list[list[int]]:
 def cmd_generate(args) -> int:
     import time
 
-    from specstream.kernels.sampling import SamplingParams
+    from specstream.types import SamplingParams
     from specstream.stages.speculative.drafters.model import TreeSpec
     from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
 
@@ -132,7 +132,7 @@ def cmd_generate(args) -> int:
     if not prompts and args.prompt is None:
         print("error: give --prompt, --prompt-ids or --prompt-ids-file", file=sys.stderr)
         return EXIT_INPUT_ERROR
-    from specstream.stages.speculative.models.loader import weight_format
+    from specstream.stages.speculative.models.dtypes import weight_format
 
     weight_format(args.dtype, args.device)  # UnsupportedDtypeError (exit 2) before any model loads
     weight_format(args.draft_dtype or args.dtype, args.device)
@@ -158,7 +158,7 @@ def cmd_generate(args) -> int:
     config = EngineConfig(num_slots=max(1, min(args.num_slots, n_requests)), max_len=args.max_len, tree=tree,
                           adaptive=not args.no_adaptive, cost_aware=args.mode == "greedy")
     show = False if args.no_progress else None
-    from specstream.stages.speculative.models.loader import resolve_checkpoint
+    from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
 
     target_ckpt = resolve_checkpoint(target, show_progress=show, dtype=args.dtype)
     drafts = [resolve_checkpoint(d, show_progress=show, dtype=args.draft_dtype or args.dtype).path for d in drafts]
@@ -318,6 +318,10 @@ def _add_bench(sub) -> None:
 
 
 def _bench_spec(args) -> int:
+    if (args.real or args.table_from) and getattr(args, "structured", False):
+        from specstream.pipeline.bench_structured import main as structured_main
+
+        return structured_main(args)
     if args.real or args.table_from:
         from specstream.pipeline.bench_spec_real import main as real_main
 
@@ -332,7 +336,7 @@ PASSTHROUGH = {
     ("simulate",): ("replay a request trace through the QoS scheduler on a virtual clock",
                     "specstream.schedulers.simulator:simulate_main"),
     ("bench", "scheduler"): ("QoS scheduler vs FIFO vs a static batcher on the same traces",
-                             "specstream.schedulers.simulator:bench_scheduler_main"),
+                             "specstream.schedulers.bench:main"),
     ("bench", "keyframes"): ("keyframe selection speed vs bare ffmpeg / decord / PyAV decoding",
                              "specstream.pipeline.bench_caption:keyframes_main"),
     ("bench", "caption"): ("captioning end to end: keyframes/s, tokens/s, tau; temporal and visual-aware on/off",
@@ -388,6 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from specstream.threadpolicy import set_thread_policy
+
+    set_thread_policy()  # before any subcommand imports torch (libgomp reads it once, when torch loads it)
+    from specstream.pipeline import models_fetch
+
+    models_fetch.install()  # registered model names resolve (and fetch on first use) in every subcommand
     try:
         code = _dispatch_passthrough(argv)
         if code is not None:

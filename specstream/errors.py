@@ -193,7 +193,7 @@ class UnsupportedParameterError(InvalidRequestError):
     code = "unsupported_parameter"
 
 
-# --- batch video question answering (pipeline/qa_job.py, stages/qa.py) ----------------------------------------
+# --- batch video question answering (pipeline/qa_job.py, pipeline/qa_stage.py) ----------------------------------------
 
 
 class EmptyQuestionError(InvalidRequestError):

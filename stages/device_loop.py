@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specstream.errors import ContextLengthError, InvalidRequestError, ModelNotLoadedError
-from specstream.kernels.sampling import SamplingParams
+from specstream.types import SamplingParams
 from specstream.schedulers.plan import Request, RequestStepResult, StepOutput, StepPlan, TokenDelta
 from specstream.stages.speculative.executor import SpeculativeExecutor
 
@@ -139,6 +139,8 @@ class _Entry:
     model: str
     on_tokens: TokenCallback | None = None
     future: Any = None  # a concurrent.futures.Future resolved with the finished request
+    #: the caller's list that each step extends with the request's visual attention rows (None: not kept)
+    visual_attention: list | None = None
 
 
 class DeviceLoop:
@@ -164,10 +166,10 @@ class DeviceLoop:
                     scheduler.add_modality(modality)
         self.scheduler = scheduler
         self.device = device
+        #: the loop's one record per request (its model, callback, future, visual attention list), added in
+        #: ``add_request`` and removed in ``_end`` (or when a failed step fails the request): nothing else of the
+        #: loop is kept per request
         self._entries: dict[str, _Entry] = {}
-        #: request id -> per committed token, the target's attention mass on its visual tokens (``[n_visual]``;
-        #: requests with a ``visual_span``); the consumer pops it when the request finished
-        self.visual_attention: dict[str, list] = {}
         self.steps = 0
         #: thread ident of every step taken (the one-loop test reads it)
         self.step_threads: set[int] = set()
@@ -254,10 +256,14 @@ class DeviceLoop:
                                       f"(loaded: {', '.join(sorted(self.runners)) or 'none'})")
         return r
 
-    def add_request(self, request: Request, on_tokens: TokenCallback | None = None, encoder_output=None) -> Request:
+    def add_request(self, request: Request, on_tokens: TokenCallback | None = None, encoder_output=None,
+                    visual_attention: list | None = None) -> Request:
         """Queue ``request`` now (from the loop's own thread, or when the loop is not started).
 
         ``on_tokens(request, new_tokens)`` is called after every step that commits tokens for it.
+        ``visual_attention``: a list of the caller's that every step extends, per committed token, with the target's
+        attention mass on the request's visual tokens (``[n_visual]`` float32 arrays; requests with a
+        ``visual_span``); complete when the request finished. None: the rows are not kept (the loop holds none).
 
         Raises:
             ModelNotLoadedError, InvalidRequestError, CapacityError (the scheduler's admission control).
@@ -278,7 +284,7 @@ class DeviceLoop:
         ex.admit(request)
         if encoder_output is not None:
             ex.encoder_outputs[request.request_id] = encoder_output
-        self._entries[request.request_id] = _Entry(request.model, on_tokens)
+        self._entries[request.request_id] = _Entry(request.model, on_tokens, visual_attention=visual_attention)
         return request
 
     def cancel(self, request_id: str) -> None:
@@ -383,8 +389,8 @@ class DeviceLoop:
             entry = self._entries.get(res.request_id)
             if entry is None:
                 continue
-            if res.visual_attention:
-                self.visual_attention.setdefault(res.request_id, []).extend(res.visual_attention)
+            if res.visual_attention and entry.visual_attention is not None:
+                entry.visual_attention.extend(res.visual_attention)
             if entry.on_tokens is not None and (res.new_tokens or res.finish_reason or res.error):
                 entry.on_tokens(self.scheduler.requests[res.request_id], res.new_tokens)
         for enc in output.encoded:  # a request failed by its encoder never reached a forward
@@ -407,6 +413,9 @@ class DeviceLoop:
         :meth:`submit_threadsafe`."""
         if self._thread is not None:
             return
+        from specstream.threadpolicy import set_thread_policy
+
+        set_thread_policy()  # torch is loaded by now: this reaches the child processes started from here on
         self._stopping = False
         self._exited = False
         self._thread = threading.Thread(target=self._main, name=f"specstream-device-{self.device}", daemon=True)

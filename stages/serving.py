@@ -87,7 +87,7 @@ class HubConfig:
     max_len: int = 4096
     tree: str = "1,1,3,1,1,1,1,1"
     ngram: bool = True
-    dtype: str = "float32"  # weight precision of the VLM and text model (loader.weight_format)
+    dtype: str = "float32"  # weight precision of the VLM and text model (dtypes.weight_format)
     draft_dtype: str | None = None  # of their drafts (None: dtype)
     speech_dtype: str | None = None  # of the Whisper model (None: dtype)
     device: str = "cpu"
@@ -198,7 +198,7 @@ class GenerationParams:
             ((MinP(self.min_p, self.temperature),) if self.min_p > 0 else ())
 
     def sampling(self):
-        from specstream.kernels.sampling import SamplingParams
+        from specstream.types import SamplingParams
 
         if self.temperature == 0:
             return SamplingParams()
@@ -513,8 +513,8 @@ class ModelHub:
         from specstream.stages.speculative.drafters.ngram import NgramDrafter
         from specstream.stages.speculative.drafters.temporal import TemporalDrafter
         from specstream.stages.speculative.executor import SpeculativeExecutor
-        from specstream.stages.speculative.models.loader import check_same_tokenizer, load_decoder, \
-            resolve_checkpoint
+        from specstream.stages.speculative.models.checkpoint import check_same_tokenizer, resolve_checkpoint
+        from specstream.stages.speculative.models.loader import load_decoder
 
         c = self.config
         tree = self._tree()

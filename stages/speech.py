@@ -255,7 +255,8 @@ class SpeechModel:
             is_ct2_dir,
             named_speech_model,
         )
-        from specstream.stages.speculative.models.loader import load_decoder, resolve_checkpoint
+        from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
+        from specstream.stages.speculative.models.loader import load_decoder
         from specstream.stages.speculative.models.whisper import load_whisper_encoder, whisper_config_from_dict
 
         if model is None:
@@ -929,7 +930,7 @@ def transcribe_main(argv: list[str]) -> int:
         print(error_line("invalid_request", "--batch-size must be >= 1", as_json), file=sys.stderr)
         return 2
     if args.dtype != "float16":
-        from specstream.stages.speculative.models.loader import weight_format
+        from specstream.stages.speculative.models.dtypes import weight_format
 
         try:
             weight_format(args.dtype, args.device)  # exit 2 before anything loads

@@ -13,9 +13,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import specstream  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
 import pytest
-import torch
+
+from specstream.threadpolicy import set_thread_policy
+
+set_thread_policy()  # before torch loads OpenMP (libgomp reads OMP_WAIT_POLICY once, at load)
+
+import torch  # noqa: E402
 
 from specstream.stages.speculative.models.tiny import (
     TinyDecoderSpec,
@@ -23,6 +27,10 @@ from specstream.stages.speculative.models.tiny import (
     random_decoder_state,
     save_checkpoint,
 )
+from specstream.pipeline import models_fetch
+
+# the tests compose the process as the CLI does: registered model names resolve through the injected registry
+models_fetch.install()
 
 GAP = 1e-5
 

@@ -79,7 +79,8 @@ def _tiny_runner():
 
     from specstream.stages.device_loop import ModelRunner
     from specstream.stages.speculative.executor import SpeculativeExecutor
-    from specstream.stages.speculative.models.loader import load_decoder, resolve_checkpoint
+    from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
+    from specstream.stages.speculative.models.loader import load_decoder
     from specstream.stages.speculative.models.tiny import TinyDecoderSpec, build_tiny_decoder
 
     path = build_tiny_decoder(Path(tempfile.mkdtemp()) / "t", TinyDecoderSpec(vocab_size=64), seed=3)

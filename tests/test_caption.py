@@ -113,7 +113,8 @@ def test_same_frame_twice_second_caption_is_drafted_by_the_first(models, src):
     from specstream.modalities.image import load_image
     from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_RESULTS, InProcessBroker
     from specstream.pipeline.messages import CaptionParams
-    from specstream.stages.caption import Captioner, CaptionStage, FrameTask
+    from specstream.stages.caption import Captioner
+    from specstream.pipeline.caption_stages import CaptionStage, FrameTask
     from specstream.stages.speculative.drafters.model import TreeSpec
 
     target, _ = models
@@ -156,9 +157,10 @@ def test_attention_export_equals_hf_eager_attention(models, src, oracle):
     loop = captioner.loop
     captioner.executor.attention_layers = (0, 1)
     prep = captioner.vlm.prepare(load_image(src["astronaut"]), PROMPT)
-    req = loop.add_request(captioner.make_request(prep, 3))
+    rows: list = []
+    req = loop.add_request(captioner.make_request(prep, 3), visual_attention=rows)
     loop.run()
-    vis = np.stack(loop.visual_attention.pop(req.request_id))  # [3, n_visual]
+    vis = np.stack(rows)  # [3, n_visual]
     assert vis.shape == (3, len(prep.visual_positions))
     # HF eager attention for the same sequence: row of the token that predicted each committed token
     hf = oracle.hf
@@ -307,7 +309,8 @@ def test_a_frame_failing_mid_video_does_not_end_the_input(models, src):
     from specstream.modalities.image import load_image
     from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_RESULTS, InProcessBroker
     from specstream.pipeline.messages import CaptionParams
-    from specstream.stages.caption import Captioner, CaptionStage, FrameTask
+    from specstream.stages.caption import Captioner
+    from specstream.pipeline.caption_stages import CaptionStage, FrameTask
 
     target, _ = models
     captioner = Captioner(target, [], temporal=False, visual_aware=False)
@@ -389,10 +392,11 @@ def test_planted_dominant_visual_key_puts_the_attention_map_maximum_on_its_patch
     emb[vis, 0] = 0.0
     emb[vis[planted]] = 0.0
     emb[vis[planted], 0] = 1.0
-    loop.add_request(req)
+    rows: list = []
+    loop.add_request(req, visual_attention=rows)
     captioner.executor.prefix_embeds[req.request_id] = emb
     loop.run()
-    attention = np.stack(loop.visual_attention.pop(req.request_id))
+    attention = np.stack(rows)
     assert attention.shape == (4, 64)
     assert (attention.argmax(1) == planted).all()
     assert attention[:, planted].min() > 0.5  # dominant: most of the mass of every committed token's row

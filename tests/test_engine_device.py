@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from conftest import hf_greedy
-from specstream.kernels.sampling import SamplingParams
+from specstream.types import SamplingParams
 from specstream.schedulers.qos import QosConfig, QosScheduler
 from specstream.stages.speculative.drafters.model import ModelDrafter, TreeSpec
 from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
@@ -128,7 +128,7 @@ def test_no_per_request_state_survives_finished_failed_and_preempted_requests(ti
         eng.scheduler.pop_finished(r.request_id)
     ids = [r.request_id for r in reqs]
     assert _leaks(eng, ids) == []
-    assert eng.executor.states == {} and eng.visual_attention == {}
+    assert eng.executor.states == {} and eng.loop._entries == {}
     assert eng.executor.cache.lengths == [0, 0]
     assert all(d.cache.lengths == [0, 0] for d in eng.executor.drafters if isinstance(d, ModelDrafter))
 

@@ -194,7 +194,7 @@ def test_stream_yields_tokens_per_step(tiny, references):
 
 
 def test_adaptive_budget_switches_off_useless_or_costly_drafts_and_probes():
-    from specstream.stages.speculative.drafters.base import AdaptiveBudget
+    from specstream.schedulers.budget import AdaptiveBudget
 
     b = AdaptiveBudget(full_nodes=21)
     assert b.requested_nodes() == 21
@@ -221,7 +221,7 @@ def test_adaptive_budget_shortens_a_costly_deep_tree_instead_of_switching_it_off
     whole tree costs 3.4 plain steps for an expected 2.9 tokens, so the old rule switched drafting off; the best
     depth is 2 (3 nodes: 1 + 2/3 + 4/9 = 2.11 tokens for 1.6 steps).
     """
-    from specstream.stages.speculative.drafters.base import AdaptiveBudget
+    from specstream.schedulers.budget import AdaptiveBudget
 
     spec = TreeSpec.parse("1,1,3,1,1,1,1,1")
     assert spec.depth_nodes() == (1, 2, 3, 6, 9, 12, 15, 18, 21)

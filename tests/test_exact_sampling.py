@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from specstream.kernels.sampling import SamplingParams
+from specstream.types import SamplingParams
 from specstream.kernels.verification import path_from_last, verify_stochastic_batch
 from specstream.schedulers.plan import DecodeWork
 from specstream.stages.speculative.drafters.model import ModelDrafter, TreeSpec

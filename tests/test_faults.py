@@ -19,8 +19,8 @@ import pytest
 
 import specstream.modalities.image as image_mod
 import specstream.stages.attention_maps as amaps
-import specstream.stages.caption as caption_mod
-import specstream.stages.live as live_mod
+import specstream.pipeline.caption_stages as caption_mod
+import specstream.pipeline.live as live_mod
 from specstream.errors import ContextLengthError
 from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_LIVE_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, InProcessBroker
 from specstream.pipeline.messages import CaptionParams, PipelineRequest, Source
@@ -137,7 +137,7 @@ class MemoryChainStore:
 
 def run_caption_stage(captioner, frames, setup=None, attention_maps=None, chain_store=None):
     """Run a caption stage over ``frames``; returns (results by seq, broker). ``setup(stage, broker)`` injects."""
-    from specstream.stages.caption import CaptionStage
+    from specstream.pipeline.caption_stages import CaptionStage
 
     async def go():
         broker = RecordingBroker()
@@ -156,7 +156,7 @@ def run_caption_stage(captioner, frames, setup=None, attention_maps=None, chain_
 
 
 def two_frames(image, prompt="Describe this image.", start_seq=0):
-    from specstream.stages.caption import FrameTask
+    from specstream.pipeline.caption_stages import FrameTask
 
     params = CaptionParams(prompt=prompt, max_new_tokens=MAX_NEW)
     return [FrameTask("r", "clip.mp4", "video", params, frame_index=10 * i, timestamp_s=0.4 * i, image=image,
@@ -265,7 +265,7 @@ def test_error_record_that_cannot_be_published_leaves_the_frame_uncommitted(capt
 
 
 def run_keyframe_stage(requests, setup=None):
-    from specstream.stages.caption import KeyframeStage
+    from specstream.pipeline.caption_stages import KeyframeStage
 
     async def go():
         broker = RecordingBroker()
@@ -348,7 +348,7 @@ class MemoryStateStore:
 
 def run_live_stage(frames, setup=None, dead_letter=None):
     from specstream.pipeline.broker import Message
-    from specstream.stages.live import LiveKeyframeStage
+    from specstream.pipeline.live import LiveKeyframeStage
 
     async def go():
         broker = RecordingBroker()

@@ -48,7 +48,7 @@ def _record_plans(loop):
 def _run(cap, prepared, seeds, fork: bool, speculate: bool = True):
     """Requests of one prompt (one per seed; None = greedy), the others forking from the first when ``fork``;
     returns (requests, planned prefill tokens, encoded items, executor prefill tokens run)."""
-    from specstream.kernels.sampling import SamplingParams
+    from specstream.types import SamplingParams
 
     loop, ex = cap.loop, cap.runner.executor
     before = ex.prefill_tokens
@@ -119,7 +119,7 @@ def test_speculating_forks_keep_greedy_exactness_and_batch_with_others(cap, prep
 
 
 def test_fork_whose_source_is_cancelled_prefills_itself(cap, prepared):
-    from specstream.kernels.sampling import SamplingParams
+    from specstream.types import SamplingParams
 
     loop = cap.loop
     src = cap.make_request(prepared, TOKENS, sampling=SamplingParams())

@@ -27,7 +27,8 @@ from specstream.errors import (
 )
 from specstream.stages.speculative.models import gguf as gguf_mod
 from specstream.stages.speculative.models.gguf import converted_gguf_dir, end_of_generation_ids, read_gguf
-from specstream.stages.speculative.models.loader import load_decoder, resolve_checkpoint
+from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
+from specstream.stages.speculative.models.loader import load_decoder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -191,7 +192,7 @@ def test_killed_conversion_never_leaves_a_usable_looking_cache(tmp_path, cache):
     converts again and removes the leftover."""
     path = write_gguf(tmp_path / "kill.gguf", "llama", random_state("llama", hidden=256, ffn=512, layers=4))
     env = {**os.environ, "SPECSTREAM_CACHE": str(cache)}
-    code = ("from specstream.stages.speculative.models.loader import resolve_checkpoint; "
+    code = ("from specstream.stages.speculative.models.checkpoint import resolve_checkpoint; "
             f"resolve_checkpoint({str(path)!r}, show_progress=False)")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
     root = cache / "converted"

@@ -421,7 +421,7 @@ def test_live_stream_survives_restart(kafka_bootstrap, captioner, tmp_path, tmp_
     """A live stream (JPEG frames with stream_id/pts headers): keyframe results as it plays, numbered across a
     worker restart exactly as one uninterrupted selector numbers them."""
     from specstream.stages.keyframes import KeyframeSelector
-    from specstream.stages.live import decode_image_bytes, proxy
+    from specstream.pipeline.live import decode_image_bytes, proxy
 
     frames = _stream_frames(clips(tmp_path_factory)["joined.mp4"])
     sel = KeyframeSelector()

@@ -195,7 +195,7 @@ def test_cancelled_keyframe_stage_stops_decoding_at_once(tmp_path, src):
 
     from specstream.pipeline.broker import TOPIC_REQUESTS, InProcessBroker
     from specstream.pipeline.messages import PipelineRequest, Source
-    from specstream.stages.caption import KeyframeStage
+    from specstream.pipeline.caption_stages import KeyframeStage
 
     listing = tmp_path / "list.txt"
     listing.write_text("".join(f"file '{src['bigbuckbunny']}'\n" for _ in range(40)))  # 211 s of 720p

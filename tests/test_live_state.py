@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from specstream.pipeline.broker import InProcessBroker
 from specstream.stages.keyframes.selector import KeyframeSelector
-from specstream.stages.live import LiveKeyframeStage
+from specstream.pipeline.live import LiveKeyframeStage
 
 
 class DictStore(dict):

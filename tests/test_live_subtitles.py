@@ -455,7 +455,8 @@ def test_recording_sent_all_at_once_loses_nothing(sm, tmp_path_factory, caplog):
 
 def test_slow_reader_closed_1008(sm):
     """A client whose sends block (never reads) is closed with 1008 once a send times out."""
-    from specstream.pipeline.server import AppState, ServerSettings, SubtitleSession
+    from specstream.pipeline.server import AppState, ServerSettings
+    from specstream.pipeline.subtitle_session import SubtitleSession
     from specstream.stages.streaming import SpeechService
 
     class BlockedSocket:

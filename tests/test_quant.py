@@ -18,7 +18,8 @@ from specstream.kernels.quant import (
 )
 from specstream.stages.speculative.drafters.model import TreeSpec
 from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
-from specstream.stages.speculative.models.loader import load_decoder, weight_format
+from specstream.stages.speculative.models.dtypes import weight_format
+from specstream.stages.speculative.models.loader import load_decoder
 
 # (out_features, in_features) of the real Qwen2.5 0.5B / 1.5B linears (q/o, k/v, gate/up, down)
 PROBE_SHAPES = [(896, 896), (128, 896), (4864, 896), (896, 4864), (1536, 1536), (256, 1536), (8960, 1536),

@@ -16,7 +16,8 @@ from specstream.kernels.quant import Int4Linear, Int8Linear, dequantize_int4
 from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
 from specstream.stages.speculative.drafters.model import TreeSpec
 from specstream.stages.speculative.models import gguf as G
-from specstream.stages.speculative.models.loader import Checkpoint, load_decoder, resolve_checkpoint
+from specstream.stages.speculative.models.checkpoint import Checkpoint, resolve_checkpoint
+from specstream.stages.speculative.models.loader import load_decoder
 
 
 @pytest.fixture()

@@ -129,7 +129,7 @@ class Models:
 def models(hf, real_pair, real_cache):
     """Our side; it loads only after the HF process has exited (it depends on ``hf``). Conversions are cached in
     ``real_cache`` (once per file)."""
-    from specstream.stages.speculative.models.loader import resolve_checkpoint
+    from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECSTREAM_CACHE", str(real_cache))
@@ -157,7 +157,7 @@ def test_tokenizer_and_chat_template_give_hf_prompt_ids(hf, models):
 def test_stop_ids_of_the_converted_checkpoint(hf, models):
     """Both stop tokens are in the converted checkpoint; transformers' GGUF loading builds a generation config with
     ``<|im_end|>`` alone (so its ``generate`` runs past ``<|endoftext|>``; the reference passes both)."""
-    from specstream.stages.speculative.models.loader import resolve_checkpoint
+    from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(models.target)
     assert ckpt.eos_token_ids() == (IM_END, ENDOFTEXT)

@@ -112,7 +112,7 @@ def to_24k(x16: np.ndarray) -> np.ndarray:
 
 def server_samples(data: bytes, rate: int) -> np.ndarray:
     """The 16 kHz samples the server's decoder makes of ``data`` (pcm16 at ``rate``) and its flush."""
-    from specstream.pipeline.server import PcmDecoder
+    from specstream.pipeline.subtitle_session import PcmDecoder
 
     dec = PcmDecoder(rate, "pcm_s16le")
     return np.concatenate([dec.decode(data), dec.flush()])

@@ -9,7 +9,8 @@ from specstream.errors import CheckpointNotFoundError, UnsupportedArchitectureEr
 from specstream.kernels.tree_attention import build_tree_mask
 from specstream.stages.speculative.models.kv_cache import KVCache
 from specstream.stages.speculative.models.llama import ForwardBatch
-from specstream.stages.speculative.models.loader import load_decoder, resolve_checkpoint
+from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
+from specstream.stages.speculative.models.loader import load_decoder
 from specstream.stages.speculative.models.tiny import TinyDecoderSpec, build_tiny_decoder
 from specstream.stages.speculative.tree import TokenTree
 

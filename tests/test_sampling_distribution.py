@@ -14,7 +14,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specstream.kernels.sampling import SamplingParams, target_probs
+from specstream.kernels.sampling import target_probs
+from specstream.types import SamplingParams
 from specstream.stages.speculative.drafters.model import TreeSpec
 from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
 from specstream.stages.speculative.models.tiny import TinyDecoderSpec, build_tiny_decoder, random_decoder_state, \

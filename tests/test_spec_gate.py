@@ -186,7 +186,7 @@ def test_live_gate_keeps_the_host_syncs_per_step(tiny):
     each a batched ``tolist``."""
     from test_engine_device import HostSyncs
 
-    from specstream.kernels.sampling import SamplingParams
+    from specstream.types import SamplingParams
 
     eng = _live_engine(tiny, ["noisy", "same"], ngram=True, tree="1,1,3,1")
     for i, p in enumerate(_prompts(6)):

@@ -21,7 +21,7 @@ from specstream.stages.speculative.drafters.model import ModelDrafter, TreeSpec
 from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
 from specstream.stages.speculative.grammar import DraftView, Grammar, raw_vocab_info
 from specstream.stages.speculative.models.loader import load_decoder
-from specstream.kernels.sampling import SamplingParams
+from specstream.types import SamplingParams
 
 EOS = 2
 VOCAB = [f"<{i}>" for i in range(256)]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from specstream.kernels.sampling import SamplingParams, target_probs, warp_logits
+from specstream.kernels.sampling import target_probs, warp_logits
+from specstream.types import SamplingParams
 from specstream.kernels.verification import path_from_last, verify_greedy_batch, verify_stochastic_batch
 from specstream.stages.speculative.tree import Proposal, ProposalKind, TokenTree, ancestor_matrix, compile_trees
 

@@ -133,7 +133,7 @@ def test_temporal_drafter_alignment():
 
 def _inp(rid, context, budget, depth):
     from specstream.stages.speculative.drafters.base import DraftInput
-    from specstream.kernels.sampling import SamplingParams
+    from specstream.types import SamplingParams
 
     return DraftInput(rid, 0, list(context), budget, depth, SamplingParams())
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specstream.kernels.sampling import SamplingParams
+from specstream.types import SamplingParams
 from specstream.schedulers.fifo import FifoScheduler
 from specstream.schedulers.plan import Request
 from specstream.stages.speculative.drafters.base import Drafter
@@ -24,11 +24,8 @@ from specstream.stages.speculative.drafters.ngram import NgramDrafter
 from specstream.stages.speculative.executor import SpeculativeExecutor
 from specstream.stages.speculative.logits import LogitsProcessor
 from specstream.stages.speculative.models.llama import LlamaDecoder
-from specstream.stages.speculative.models.loader import (
-    check_same_tokenizer,
-    load_decoder,
-    resolve_checkpoint,
-)
+from specstream.stages.speculative.models.checkpoint import check_same_tokenizer, resolve_checkpoint
+from specstream.stages.speculative.models.loader import load_decoder
 
 TokenCallback = Callable[[Request, tuple[int, ...]], None]
 
@@ -108,12 +105,6 @@ class SpeculativeEngine:
     def scheduler(self, value) -> None:
         self.loop.scheduler = value
 
-    @property
-    def visual_attention(self) -> dict[str, list]:
-        """Request id -> per committed token, the target's attention mass on the visual tokens ``[n_visual]``
-        (requests with a ``visual_span``); the consumer pops it when the request finished."""
-        return self.loop.visual_attention
-
     # -- construction ---------------------------------------------------------------------------------------
     @classmethod
     def from_checkpoints(cls, target: str | os.PathLike, drafts: list[str | os.PathLike] = (), ngram: bool = False,
@@ -125,7 +116,7 @@ class SpeculativeEngine:
         (default: ``dtype``) may be lower than the target's: a draft's precision changes how often its tokens
         are accepted, never what is committed.
 
-        ``dtype`` / ``draft_dtype``: weight precision (``loader.weight_format``): float32, bfloat16, int8, int4,
+        ``dtype`` / ``draft_dtype``: weight precision (``dtypes.weight_format``): float32, bfloat16, int8, int4,
         int4-g64; greedy output equals this engine at the same precision without speculation.
 
         Raises:

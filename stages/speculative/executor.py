@@ -44,12 +44,14 @@ from specstream.schedulers.plan import (
     StepPlan,
 )
 from specstream.schedulers.costmodel import SpecGate, StepCostFit
-from specstream.stages.speculative.drafters.base import AdaptiveBudget, DraftInput, Drafter
+from specstream.schedulers.budget import AdaptiveBudget
+from specstream.stages.speculative.drafters.base import DraftInput, Drafter
 from specstream.stages.speculative.drafters.grammar import GrammarDrafter
 from specstream.stages.speculative.grammar import DraftView, grammar_constraint_of
 from specstream.stages.speculative.logits import History, apply_logits_processors, apply_logits_processors_rows
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder
-from specstream.stages.speculative.tree import CompiledTrees, TokenTree, ancestor_matrix, compile_trees
+from specstream.kernels.trees import CompiledTrees
+from specstream.stages.speculative.tree import TokenTree, ancestor_matrix, compile_trees
 
 #: a prefill joins the decode rows' forward only when it is at most this many times longer than the widest tree
 #: (padding every tree row to a long prompt would multiply the step's work); otherwise it gets its own forward

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specstream.kernels.sampling import SamplingParams, warp_logits
+from specstream.kernels.sampling import warp_logits
+from specstream.types import SamplingParams
 from specstream.stages.speculative.drafters.base import DraftInput, Drafter
 from specstream.stages.speculative.logits import History
 from specstream.stages.speculative.models.llama import ForwardBatch, LlamaDecoder

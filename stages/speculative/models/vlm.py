@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from specstream.errors import UnsupportedArchitectureError
-from specstream.stages.speculative.models.loader import Checkpoint, load_decoder, load_state_dict, resolve_checkpoint
+from specstream.stages.speculative.models.checkpoint import Checkpoint, load_state_dict, resolve_checkpoint
+from specstream.stages.speculative.models.loader import load_decoder
 
 VLM_TYPES = {"llava": "LlavaForConditionalGeneration",
              "llava_onevision": "LlavaOnevisionForConditionalGeneration"}

@@ -440,7 +440,7 @@ def _decoder_key(key: str) -> str | None:
 
 def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str) -> None:
     """Cast ``module`` (a Whisper encoder or decoder) to the weight precision ``dtype``, in place: a float dtype
-    (float32, bfloat16, float16) casts every tensor; int8 / int4 (:func:`loader.weight_format`) quantize every
+    (float32, bfloat16, float16) casts every tensor; int8 / int4 (:func:`dtypes.weight_format`) quantize every
     ``nn.Linear`` through :func:`specstream.kernels.quant.quantize_linears` (weight-only, per output channel for
     int8, in groups for int4) and run the rest (embeddings, layer norms, convolutions) and the activations in
     bfloat16, as the Llama decoders do.
@@ -449,7 +449,7 @@ def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str) 
         UnsupportedDtypeError: a precision ``device`` cannot run; QuantKernelError: a packed kernel disagrees with
             its float reference.
     """
-    from specstream.stages.speculative.models.loader import parse_dtype, weight_format
+    from specstream.stages.speculative.models.dtypes import parse_dtype, weight_format
 
     if dtype in ("int8", "int4") or (isinstance(dtype, str) and dtype.startswith("int4-")):
         from specstream.kernels.quant import quantize_linears
@@ -471,7 +471,7 @@ def load_whisper_decoder(checkpoint, dtype: str | torch.dtype = "float32", devic
     Raises:
         CheckpointNotFoundError, UnsupportedArchitectureError, UnsupportedDtypeError.
     """
-    from specstream.stages.speculative.models.loader import Checkpoint, load_state_dict, resolve_checkpoint
+    from specstream.stages.speculative.models.checkpoint import Checkpoint, load_state_dict, resolve_checkpoint
 
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
     cfg = whisper_config_from_dict(ckpt.config)
@@ -512,7 +512,7 @@ def load_whisper_encoder(checkpoint, dtype: str | torch.dtype = "float32", devic
     from transformers import WhisperConfig
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-    from specstream.stages.speculative.models.loader import Checkpoint, load_state_dict, resolve_checkpoint
+    from specstream.stages.speculative.models.checkpoint import Checkpoint, load_state_dict, resolve_checkpoint
 
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
     whisper_config_from_dict(ckpt.config)  # validates the architecture

@@ -156,7 +156,7 @@ class QaStage:
 
     async def _publish_errors(self, req: PipelineRequest, published: set[int], exc: BaseException) -> bool:
         """``exc`` as the error result of every result not yet published; False when that failed too."""
-        from specstream.stages.caption import error_info
+        from specstream.pipeline.caption_stages import error_info
 
         info = error_info(exc)
         seqs = self._seqs(req)
@@ -208,7 +208,7 @@ class QaStage:
     async def _open(self, req: PipelineRequest):
         """(opened source, its display name, temporary file or None)."""
         from specstream.modalities.source import open_source
-        from specstream.stages.caption import resolve_source
+        from specstream.pipeline.caption_stages import resolve_source
 
         path, shown, tmp = resolve_source(req, self.allowed_roots, self.max_source_bytes)
         try:
@@ -257,7 +257,7 @@ class QaStage:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                from specstream.stages.caption import error_info
+                from specstream.pipeline.caption_stages import error_info
 
                 if not isinstance(exc, SpecstreamError):
                     log.exception("video %s question %s failed", video_id, q.id)

@@ -3,7 +3,7 @@
 A frame message carries one encoded image (JPEG/PNG bytes) with headers ``stream_id`` and ``pts`` (seconds);
 the key is the stream id, so one partition keeps a stream's order. Per stream, a streaming
 :class:`~specstream.stages.keyframes.KeyframeSelector` decides scene starts; each keyframe becomes a
-:class:`~specstream.stages.caption.FrameTask` (``request_id`` = stream id, ``seq`` counting the stream's
+:class:`~specstream.pipeline.caption_stages.FrameTask` (``request_id`` = stream id, ``seq`` counting the stream's
 results, never ``last``) that the caption stage turns into a result.
 
 Restart safety: after each frame the stream's state (selector state, next seq, next frame index, the offset
@@ -27,7 +27,7 @@ import numpy as np
 
 from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_LIVE_FRAMES, TOPIC_RESULTS, Broker, Message
 from specstream.pipeline.messages import CaptionParams, ErrorInfo, PipelineResult
-from specstream.stages.caption import FrameTask
+from specstream.pipeline.caption_stages import FrameTask
 from specstream.stages.keyframes import KeyframeSelector
 
 log = logging.getLogger("specstream.live")
@@ -119,7 +119,7 @@ class LiveKeyframeStage:
     async def _failed(self, msg: Message, exc: Exception) -> None:
         """A frame whose handling raised: an error result of its stream (the next ``seq``; frames without a
         stream go to the DLQ), then released; left uncommitted (``Message.fail``) when even that fails."""
-        from specstream.stages.caption import error_info
+        from specstream.pipeline.caption_stages import error_info
 
         sid = msg.headers.get("stream_id") or msg.key
         try:

@@ -1,6 +1,6 @@
 """Measure this machine and fit a :class:`~specstream.schedulers.costmodel.CostModel`.
 
-``python -m specstream.schedulers.calibrate [--out calib.json] [--quick]`` builds a mid-size random Llama
+``python -m specstream.pipeline.calibrate [--out calib.json] [--quick]`` builds a mid-size random Llama
 (hidden 512, 8 layers, vocab 8192) and a same-weights draft as real checkpoints in a temporary directory,
 runs real engine steps (prefills of several lengths, decode batches of 1..16 with trees of 1..9 nodes),
 records each :class:`StepOutput`'s duration with the plan's features, and fits the step model by non-negative
@@ -123,7 +123,7 @@ def measure_encoders(quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specstream.schedulers.calibrate", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="specstream.pipeline.calibrate", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     ap.add_argument("--quick", action="store_true", help="fewer points (about a minute on 2 cores)")
     args = ap.parse_args(argv)
