@@ -497,9 +497,9 @@ class QosScheduler:
         forks, self._forks = tuple(self._forks), []
         reserve = min(reserve, self._batch_reserve(order, [], now))  # what batch trees may still claim
         inter = [r for r in order if not self._is_batch_work(r, now) and r.qos != "realtime"]
-        budget -= self._grow_trees(inter, nodes, budget - reserve, self._mem_left(nodes, prefills))
+        budget -= self._grow_trees(inter, nodes, budget - reserve, self._mem_left(nodes, prefills, forks))
         self._grow_trees([r for r in order if self._is_batch_work(r, now)], nodes, budget,
-                         self._mem_left(nodes, prefills))
+                         self._mem_left(nodes, prefills, forks))
         decodes = tuple(DecodeWork(r, r.slot, nodes[r.request_id], self._depth(r, nodes[r.request_id]))
                         for r in order)
         released, self._released = tuple(self._released), []
@@ -537,10 +537,12 @@ class QosScheduler:
     def kv_fraction(self, plan: StepPlan | None = None) -> float:
         return self.kv_tokens(plan) / self.kv_budget
 
-    def _mem_left(self, nodes: dict[str, int], prefills) -> int:
-        """Memory units left after holding, the planned tree nodes and the planned prefill chunks."""
+    def _mem_left(self, nodes: dict[str, int], prefills, forks=()) -> int:
+        """Memory units left after holding, the planned tree nodes, the planned prefill chunks and the prompts
+        copied into the planned forks' slots (a fork holds no cached tokens until the step's copy)."""
         used = self._held() + sum(n * self._unit(self.requests[rid]) for rid, n in nodes.items()) + sum(
-            p.num_tokens * self._unit(p.request) for p in prefills)
+            p.num_tokens * self._unit(p.request) for p in prefills) + sum(
+            len(f.request.context) * self._unit(f.request) for f in forks)
         return max(0, self.kv_budget - used)
 
     def _room(self, req: Request) -> int:

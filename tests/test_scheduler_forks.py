@@ -101,3 +101,24 @@ def test_a_fork_added_after_its_source_prefilled_is_an_ordinary_request():
     s.add(late)
     plan = s.schedule()
     assert [p.request.request_id for p in plan.prefills] == ["c1"] and not plan.forks
+
+
+def test_trees_planned_after_forks_leave_room_for_the_forks_prompt_copies():
+    """A decoding request's tree is grown after the step's forks are admitted: the memory left for it must count
+    the prompts copied into the forks' slots this step, or the plan overruns the budget (the old ``_mem_left``
+    counted held memory, tree nodes and prefill chunks only: 185 of 160 tokens here)."""
+    s = QosScheduler(QosConfig(num_slots=4, max_len=128, reserved_realtime_slots=0, token_budget=512,
+                               kv_budget_tokens=160, kv_high_watermark=1.0,
+                               max_nodes_per_request=64), clock=VirtualClock())
+    d = Request("d", [1] * 40, 80, qos="interactive", arrival_s=0.0)
+    d.speculate = True
+    s.add(d)
+    _book(s, s.schedule())  # d's prompt: it decodes from now on
+    d.requested_nodes = 64  # its drafters ask for a 64-node tree
+    for r in _group(2):
+        s.add(r)
+    plan = s.schedule()
+    assert [p.request.request_id for p in plan.prefills] == ["c0"]
+    assert [f.request.request_id for f in plan.forks] == ["c1"]
+    assert s.kv_tokens(plan) <= s.kv_budget
+    assert [dw.node_budget for dw in plan.decodes] == [160 - 41 - 40 - 40]  # what d's cache, c0's chunk and c1's copy leave
