@@ -19,6 +19,11 @@ spent on a typo).
 
 from __future__ import annotations
 
+from specstream.threadpolicy import set_thread_policy
+
+if __name__ == "__main__":  # `python -m ...`: before torch loads (libgomp reads the policy once)
+    set_thread_policy()
+
 import argparse
 import json
 import statistics

@@ -10,6 +10,11 @@ least squares. Encoders: a random CLIP ViT-B/32 vision tower (224 px) and a rand
 
 from __future__ import annotations
 
+from specstream.threadpolicy import set_thread_policy
+
+if __name__ == "__main__":  # `python -m ...`: before torch loads (libgomp reads the policy once)
+    set_thread_policy()
+
 import argparse
 import dataclasses
 import json
