@@ -192,3 +192,17 @@ def test_whisper_cache_copy_prefix_copies_the_cross_attention_too():
     assert torch.equal(c.k[:, 0, :, :3], c.k[:, 2, :, :3])
     assert torch.equal(c.cross_k[:, 0, :, :5], c.cross_k[:, 2, :, :5])
     assert torch.equal(c.cross_v[:, 0, :, :5], c.cross_v[:, 2, :, :5])
+
+
+def test_a_plan_of_forks_without_their_source_is_an_error_not_a_dropped_fork(tiny):
+    """A plan (or one model's share of it) that carries forks but no prefill at all must raise, as a fork whose
+    source's final chunk is missing does; the old executor returned an empty step, so the fork never got its
+    first token and held its slot forever."""
+    from specstream.schedulers.plan import ForkWork, StepPlan
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+    eng = SpeculativeEngine.from_checkpoints(tiny.target, [], config=EngineConfig(num_slots=2))
+    child = eng.make_request([5, 17, 42], 4)
+    child.slot = 1
+    with pytest.raises(ValueError, match="without their source's final prefill chunk"):
+        eng.executor.execute(StepPlan(1, forks=(ForkWork(child, 1, "gone"),)))

@@ -384,6 +384,8 @@ class SpeculativeExecutor:
             self.admit(fw.request)
             forks.setdefault(fw.source, []).append(fw)
         encoded = self._encode(plan.encodes)
+        if forks and not plan.prefills:
+            raise ValueError(f"forks of {sorted(forks)} without their source's final prefill chunk in the plan")
         if not plan.prefills and not plan.decodes:
             return StepOutput(plan.step, (), 0, 0, time.perf_counter() - t_start, encoded)
         decodes = self._gate_step(plan)
