@@ -246,7 +246,8 @@ class AppState:
         client that opened and closed the app at once, a test client fetching the schema) cancels only its wait,
         and the next startup waits for the same build. Before, each startup built a service of its own, so the
         second one found the first one's ``whisper`` runner in the loop and failed (``a model named 'whisper' is
-        already in the device loop``)."""
+        already in the device loop``). A build that fails is forgotten once its waiters have the error, so a
+        transient failure (a fetch, a full disk) is retried by the next startup or ``speech_model`` call."""
         import concurrent.futures
         import threading
 
@@ -263,6 +264,9 @@ class AppState:
                         fut.set_result(SpeechService(_load_speech_model(s.speech_model, s.speech_dtype),
                                                      num_slots=s.speech_slots, loop=self.loop))
                     except BaseException as exc:
+                        with self._speech_lock:  # a failed build is not kept: the next startup or call retries
+                            if self._speech_future is fut:
+                                self._speech_future = None
                         fut.set_exception(exc)
 
                 threading.Thread(target=build, name="specstream-speech-load", daemon=True).start()
@@ -286,6 +290,9 @@ class AppState:
         self.loop.start()
         try:
             if self.speech is None:
+                if self.load_error is not None:  # an earlier lifespan's load failed: this one retries it
+                    self.load_error = None
+                    self.loop.failed.pop("whisper", None)
                 self.speech = await asyncio.wrap_future(self._speech_build())
             await self.speech.start()
             self.ready = True

@@ -86,3 +86,32 @@ def _tiny_runner():
     path = build_tiny_decoder(Path(tempfile.mkdtemp()) / "t", TinyDecoderSpec(vocab_size=64), seed=3)
     dec = load_decoder(resolve_checkpoint(str(path)), "float32", "cpu")
     return ModelRunner("late", SpeculativeExecutor(dec, [], 2, 32), max_len=32)
+
+
+def test_a_failed_speech_load_is_retried_by_the_next_startup(monkeypatch):
+    """A transient load failure (here the first load raises OSError) fails /readyz for that lifespan only: the next
+    startup loads again and is ready. Before, the failed build was kept for the app's life and every later startup
+    re-raised its error without loading."""
+    from fastapi.testclient import TestClient
+
+    import specstream.pipeline.server as server
+    from specstream.pipeline.server import ServerSettings, create_app
+
+    real, calls = server._load_speech_model, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("No space left on device (injected)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(server, "_load_speech_model", flaky)
+    app = create_app(ServerSettings())
+    with TestClient(app) as c:
+        r = _wait_ready(c)
+        assert r.status_code == 503 and "No space left on device" in r.text, r.text
+    with TestClient(app) as c:
+        r = _wait_ready(c)
+        assert r.status_code == 200, r.text
+        assert r.json()["models"]["whisper"] == "ready"
+    assert len(calls) == 2
