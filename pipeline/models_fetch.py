@@ -286,7 +286,7 @@ def fetch_model(name: str, show_progress: bool | None = None) -> Path:
 
 
 class RegistryFetcher:
-    """The :data:`MODELS` registry as the loader's :class:`~specstream.stages.speculative.models.loader.ModelFetcher`
+    """The :data:`MODELS` registry as the loader's :class:`~specstream.stages.speculative.models.checkpoint.ModelFetcher`
     (read live, so a name added to :data:`MODELS` is seen)."""
 
     def names(self):
