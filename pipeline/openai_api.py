@@ -890,27 +890,12 @@ async def _events(task: asyncio.Task, queue: asyncio.Queue, rid: str, created: i
             body.update(extra)
         return _sse(body)
 
-    done = asyncio.Event()
-    task.add_done_callback(lambda _: done.set())
     try:
         if chat:
             for index in range(choices):
                 yield chunk({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None})
-        while True:
-            if queue.empty():
-                getter = asyncio.create_task(queue.get())
-                ender = asyncio.create_task(done.wait())
-                await asyncio.wait({getter, ender}, return_when=asyncio.FIRST_COMPLETED)
-                ender.cancel()
-                if not getter.done():
-                    getter.cancel()
-                    if queue.empty():
-                        break
-                    continue
-                index, delta = getter.result()
-            else:
-                index, delta = queue.get_nowait()
+        async for index, delta in _drain(queue, task):
             if not delta.text and not (logprobs and delta.tokens):
                 continue
             if chat and tools is not None:
@@ -1065,29 +1050,36 @@ def _stream_flag(value, fmt: str) -> bool:
     return True
 
 
+async def _drain(queue: asyncio.Queue, task: asyncio.Task):
+    """Yield what the producing ``task`` puts on ``queue`` (from another thread, via the event loop) until the task
+    has ended and the queue is empty: the one read loop of the streamed chat, completion and transcription
+    routes."""
+    done = asyncio.Event()
+    task.add_done_callback(lambda _: done.set())
+    while True:
+        if not queue.empty():
+            yield queue.get_nowait()
+            continue
+        getter = asyncio.create_task(queue.get())
+        ender = asyncio.create_task(done.wait())
+        await asyncio.wait({getter, ender}, return_when=asyncio.FIRST_COMPLETED)
+        ender.cancel()
+        if getter.done():
+            yield getter.result()
+        else:
+            getter.cancel()
+            if queue.empty():
+                return
+
+
 async def _transcription_events(task: asyncio.Task, queue: asyncio.Queue):
     """OpenAI's transcription stream: one ``transcript.text.delta`` per segment, sent as soon as the segment's
     window is decoded (``queue`` receives the hub's ``TranscriptSegment`` from the decoding thread; the deltas
     concatenate to the text), then ``transcript.text.done`` with the whole text. An error after the first byte
     (the status is sent) is an ``error`` event in OpenAI's body; a client that goes away cancels ``task``."""
-    done = asyncio.Event()
-    task.add_done_callback(lambda _: done.set())
     sent = 0
     try:
-        while True:
-            if queue.empty():
-                getter = asyncio.create_task(queue.get())
-                ender = asyncio.create_task(done.wait())
-                await asyncio.wait({getter, ender}, return_when=asyncio.FIRST_COMPLETED)
-                ender.cancel()
-                if not getter.done():
-                    getter.cancel()
-                    if queue.empty():
-                        break
-                    continue
-                seg = getter.result()
-            else:
-                seg = queue.get_nowait()
+        async for seg in _drain(queue, task):
             text = seg.text.strip()
             if text:
                 yield _sse({"type": "transcript.text.delta", "delta": (" " if sent else "") + text})
