@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from live_fixtures import ServerThread, free_port
+from openai_fixtures import KEY, openai_client, tiny_llava_hf
 from qa_fixtures import SENTENCE, silent_clip, talk_clip
 
-KEY = "sk-test-key"
 VLM = "specstream-tiny-llava"
 
 
@@ -39,18 +39,12 @@ def server(media):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    from specstream.pipeline.defaults import default_caption_models
-
-    target, _ = default_caption_models(quiet=True)
-    return (LlavaForConditionalGeneration.from_pretrained(target, dtype=torch.float32).eval(),
-            AutoProcessor.from_pretrained(target))
+    return tiny_llava_hf()
 
 
 def hf_generate(hf, images, text: str | None, n: int, raw: str | None = None) -> tuple[list[int], int]:

@@ -17,8 +17,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from live_fixtures import ServerThread, free_port
+from openai_fixtures import KEY, openai_client, tiny_llava_hf
 
-KEY = "sk-test-key"
 VLM = "specstream-tiny-llava"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                             "unit": {"type": "string", "enum": ["C", "F"]}},
@@ -47,18 +47,12 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    from specstream.pipeline.defaults import default_caption_models
-
-    target, _ = default_caption_models(quiet=True)
-    return (LlavaForConditionalGeneration.from_pretrained(target, dtype=torch.float32).eval(),
-            AutoProcessor.from_pretrained(target))
+    return tiny_llava_hf()
 
 
 def image_url(path) -> str:
