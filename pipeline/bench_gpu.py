@@ -46,6 +46,20 @@ TINY_TARGET = replace(LLAMA2_7B, vocab_size=512, hidden_size=64, intermediate_si
 TINY_DRAFT = replace(TINY_TARGET, num_hidden_layers=1)
 
 
+def probe_tree(nodes: int) -> tuple[torch.Tensor, list[int]]:
+    """The verify tree these probes time: a chain of 8 with the remaining nodes fanned out at depth 1..3.
+    Returns its ancestor matrix ``[nodes, nodes]`` (bool, self included) and each node's depth."""
+    parents = [-1] + [max(0, min(i - 1, 7)) if i <= 8 else (i % 3) for i in range(1, nodes)]
+    anc = torch.zeros(nodes, nodes, dtype=torch.bool)
+    depth = [0] * nodes
+    for i, p in enumerate(parents):
+        anc[i, i] = True
+        if p >= 0:
+            anc[i] |= anc[p]
+            depth[i] = depth[p] + 1
+    return anc, depth
+
+
 def random_decoder(cfg: DecoderConfig, device: str, dtype: torch.dtype, seed: int):
     """A decoder with random weights created on ``device`` (no checkpoint: 7B of random numbers)."""
     from specstream.stages.speculative.models.llama import LlamaDecoder
@@ -94,15 +108,7 @@ def measure_step(model, device: str, prefix: int, nodes: int, repeats: int) -> f
                                             torch.arange(prefix, device=device)[None],
                                             torch.arange(prefix, device=device)[None], mask.to(device),
                                             logit_index=torch.tensor([[prefix - 1]], device=device)))
-    # a tree: a chain of 8 with the remaining nodes fanned out at depth 1..3
-    parents = [-1] + [max(0, min(i - 1, 7)) if i <= 8 else (i % 3) for i in range(1, nodes)]
-    anc = torch.zeros(nodes, nodes, dtype=torch.bool)
-    depth = [0] * nodes
-    for i, p in enumerate(parents):
-        anc[i, i] = True
-        if p >= 0:
-            anc[i] |= anc[p]
-            depth[i] = depth[p] + 1
+    anc, depth = probe_tree(nodes)
     tmask = build_tree_mask(torch.tensor([prefix]), [anc], prefix + nodes, nodes).to(device)
     batch = ForwardBatch(torch.tensor([0], device=device),
                          torch.randint(0, model.config.vocab_size, (1, nodes), device=device),

@@ -23,15 +23,9 @@ def _tree(prefix: int, nodes: int, vocab: int):
     from specstream.kernels.tree_attention import build_tree_mask
     from specstream.stages.speculative.models.llama import ForwardBatch
 
-    # a chain of 8 with the other nodes fanned out at depth 1..3 (as pipeline/bench_gpu.py)
-    parents = [-1] + [max(0, min(i - 1, 7)) if i <= 8 else (i % 3) for i in range(1, nodes)]
-    anc = torch.zeros(nodes, nodes, dtype=torch.bool)
-    depth = [0] * nodes
-    for i, p in enumerate(parents):
-        anc[i, i] = True
-        if p >= 0:
-            anc[i] |= anc[p]
-            depth[i] = depth[p] + 1
+    from specstream.pipeline.bench_gpu import probe_tree
+
+    anc, depth = probe_tree(nodes)  # the tree bench_gpu times
     mask = build_tree_mask(torch.tensor([prefix]), [anc], prefix + nodes, nodes)
     return ForwardBatch(torch.tensor([0]), torch.randint(0, vocab, (1, nodes)), (prefix + torch.tensor(depth))[None],
                         torch.arange(prefix, prefix + nodes)[None], mask, slot_list=[0])
