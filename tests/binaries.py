@@ -27,3 +27,9 @@ def require(program: str) -> str:
     if path is None:
         pytest.fail(missing_message(program), pytrace=False)
     return path
+
+
+#: flags of every headless Chromium the tests start: no sandbox (root), and no background connections (this
+#: machine's closed network refuses them, many at a time)
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]

@@ -9,6 +9,8 @@ import shutil
 
 import pytest
 
+from binaries import CHROMIUM_ARGS
+
 BASE = "http://specstream.test"
 
 
@@ -39,9 +41,7 @@ def test_docs_page_lists_every_operation_in_chromium():
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=shutil.which("chromium"),
-                                    args=["--headless", "--no-sandbox", "--disable-gpu",
-                                          "--disable-background-networking", "--disable-component-update",
-                                          "--disable-sync"])
+                                    args=CHROMIUM_ARGS)
         try:
             page = browser.new_page()
             page.route("**/*", answer)

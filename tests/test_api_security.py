@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from binaries import CHROMIUM_ARGS
 from media import sources
 
 KEY = "s3cret-Key-42"
@@ -500,9 +501,7 @@ def test_subtitles_page_sends_the_key_as_a_subprotocol_in_chromium(served):
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=shutil.which("chromium"),
-                                    args=["--headless", "--no-sandbox", "--disable-gpu",
-                                          "--disable-background-networking", "--disable-component-update",
-                                          "--disable-sync"])
+                                    args=CHROMIUM_ARGS)
         try:
             page = browser.new_page()
             urls = []

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from binaries import require
+from binaries import CHROMIUM_ARGS, require
 from live_fixtures import SCRIPT, ServerThread, free_port, recording, wer
 from whisper_fixtures import one_torch_thread, speech_cache  # noqa: F401  (fixtures)
 
@@ -580,9 +580,7 @@ def test_web_page_streams_a_file_in_chromium(server, rec3):
     path, audio, _ = rec3
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium,
-                                    args=["--headless", "--no-sandbox", "--disable-gpu",
-                                          "--disable-background-networking", "--disable-component-update",
-                                          "--disable-sync", "--autoplay-policy=no-user-gesture-required"])
+                                    args=[*CHROMIUM_ARGS, "--autoplay-policy=no-user-gesture-required"])
         try:
             page = browser.new_page()
             page.goto(server.base + "/subtitles?speed=2")

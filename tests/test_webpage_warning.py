@@ -10,7 +10,7 @@ import wave
 
 import pytest
 
-from binaries import require
+from binaries import CHROMIUM_ARGS, require
 from specstream.pipeline.webpage import SUBTITLES_HTML
 from specstream.stages.streaming import StreamWarning
 
@@ -41,9 +41,7 @@ def test_page_shows_the_warning_event(tmp_path):
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium,
-                                    args=["--headless", "--no-sandbox", "--disable-gpu",
-                                          "--disable-background-networking", "--disable-component-update",
-                                          "--disable-sync", "--autoplay-policy=no-user-gesture-required"])
+                                    args=[*CHROMIUM_ARGS, "--autoplay-policy=no-user-gesture-required"])
         try:
             page = browser.new_page()
             page.route("http://specstream.test/subtitles*",
