@@ -194,7 +194,11 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
 
 def markdown(results: dict) -> str:
     """The results as one markdown table."""
-    lines = [f"Constrained greedy decoding, {results['new_tokens']} new tokens per request.", "",
+    machine = ""
+    if "cpu" in results:
+        machine = (f" CPU: {results['cpu']}; read bandwidth {results['read_bandwidth_gbs']:.1f} GB/s "
+                   f"({results['threads']} threads).")
+    lines = [f"Constrained greedy decoding, {results['new_tokens']} new tokens per request.{machine}", "",
              "| config | workload | tokens/s | vs no-spec | tau | forced share of accepted | constraint ms/step "
              "(share) | mask ms/step | identical | valid / cut |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -228,9 +232,14 @@ def main(args) -> int:
     cfg = json.loads((Path(target) / "config.json").read_text())
     info = tokenizer_info(tok, cfg["vocab_size"], eos)
     prompts = {n: (chat_prompt_ids(target, text), schema) for n, (text, schema) in PROMPTS.items()}
+    from specstream.pipeline.bench_spec_real import cpu_model, read_bandwidth
+
+    machine = {"cpu": cpu_model(), "read_bandwidth_gbs": read_bandwidth(args.threads) / 1e9, "threads": args.threads}
+    print(f"CPU: {machine['cpu']}; read bandwidth {machine['read_bandwidth_gbs']:.1f} GB/s ({args.threads} threads)")
     results = run_structured(target, draft, info, prompts, lambda ids: tok.decode(ids, skip_special_tokens=True),
                              args.max_new_tokens, 0 if args.no_batch else 8, eos,
                              adaptive=not args.fixed_trees)
+    results.update(machine)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_structured.json").write_text(json.dumps(results, indent=1))
