@@ -99,8 +99,12 @@ _AVAILABLE: dict[tuple[str, str], bool] = {}
 
 
 def kernel_available(fmt: WeightFormat, device: torch.device | str) -> bool:
-    """True when ``device`` can run weights of ``fmt``: bfloat16 needs hardware support (CPU: oneDNN's bf16
-    check, CUDA: ``is_bf16_supported``), int8/int4 a working packed kernel (probed once on a tiny matrix)."""
+    """True when ``device`` can run weights of ``fmt``: bfloat16 a working bf16 product (CUDA:
+    ``is_bf16_supported``), int8/int4 a working packed kernel (probed once on a tiny matrix).
+
+    On a CPU without native bf16 instructions (AVX2 only: no avx512_bf16 or AMX) PyTorch's bf16 and packed
+    int8/int4 kernels still run, converting in software: they are available, only slower per row than on a CPU
+    with them (:func:`native_bf16` tells which)."""
     dev = torch.device(device)
     key = (fmt.label, str(dev))
     if key in _AVAILABLE:
@@ -108,7 +112,7 @@ def kernel_available(fmt: WeightFormat, device: torch.device | str) -> bool:
     if fmt.name == "float32":
         ok = True
     elif dev.type == "cpu":
-        ok = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        ok = _probe(lambda: torch.zeros(2, 8, dtype=torch.bfloat16) @ torch.zeros(8, 4, dtype=torch.bfloat16))
     elif dev.type == "cuda":
         ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     else:
@@ -122,6 +126,14 @@ def kernel_available(fmt: WeightFormat, device: torch.device | str) -> bool:
             ok = _probe(lambda: Int4Linear.from_float(w, None, fmt.group_size, check=False)(x))
     _AVAILABLE[key] = ok
     return ok
+
+
+def native_bf16(device: torch.device | str = "cpu") -> bool:
+    """True when ``device`` has bfloat16 arithmetic in hardware (CPU: oneDNN's check for avx512_bf16/AMX)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def available_weight_dtypes(device: torch.device | str) -> list[str]:
