@@ -9,6 +9,8 @@ never repeated per query head.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -107,3 +109,198 @@ def tree_attention(
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs.to(v.dtype), v[:, :, None]).view(b, hq, t, d)
     return out, probs.view(b, hq, t, -1)
+
+
+# -- row-invariant ("canonical") attention -----------------------------------------------------------------------
+#: keys per canonical block (positions ``[j * 64, (j + 1) * 64)`` of a row's own sequence form block ``j``)
+CANONICAL_BLOCK = 64
+#: query rows of every block product are padded to a multiple of this (MKL's float32 GEMM gives a row other bits
+#: at 1-3 rows than at 8 or more, and at 5-7 rows with 2 threads; any multiple of 8 gives the same bits)
+ROW_TILE = 8
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass
+class CanonicalPlan:
+    """Per-forward layout of :func:`canonical_attention`, shared by every layer (built by :func:`canonical_plan`).
+
+    Attributes:
+        block: ``Kb``, keys per block.
+        groups: ``G``, query heads per key/value head.
+        num_blocks: ``nb``, blocks over the cache columns read (``nb * Kb >= S``).
+        shared_bias: ``[B, 1, nb, Mp, Kb]`` float32 additive bias of the blocks read in place from the cache, rows
+            ``(g, t)`` flattened and padded to ``Mp`` (a multiple of :data:`ROW_TILE`).
+        tree_rows: ``[Bt]`` batch rows whose tree nodes are not in position order in the cache (None: none).
+        tree_width: ``Tt`` query rows of those rows that hold nodes.
+        tail_blocks: ``nt`` blocks of each tree row's tail.
+        tail_index: ``[Bt, 1, Tt * nt * Kb, 1]`` cache column of each position of each tree row's tail.
+        tail_bias: ``[Bt, 1, Tt, nt, 1, Kb]`` float32 additive bias of the tail.
+    """
+
+    block: int
+    groups: int
+    num_blocks: int
+    shared_bias: torch.Tensor
+    tree_rows: torch.Tensor | None = None
+    tree_width: int = 0
+    tail_blocks: int = 0
+    tail_index: torch.Tensor | None = None
+    tail_bias: torch.Tensor | None = None
+
+
+def canonical_plan(mask: torch.Tensor, write_index: torch.Tensor, position_ids: torch.Tensor, groups: int,
+                   tree_rows: list[int] | None = None, tree_width: int = 0,
+                   block: int = CANONICAL_BLOCK) -> CanonicalPlan:
+    """The block layout of :func:`canonical_attention` for one forward, on the device, without a host sync.
+
+    A query row at position ``p`` attends positions ``0..p`` of its own sequence. They are cut into blocks at fixed
+    positions (``[j * Kb, (j + 1) * Kb)``), whatever the call. Committed positions sit in cache column = position,
+    so a row whose whole sequence is in place (prefill chunks, chains, single-row decoding) reads every block
+    straight from the cache. A token-tree row is not: its ancestors sit at the columns of their tree nodes,
+    interleaved with siblings. For those rows (``tree_rows``) the blocks from the one holding the committed length
+    ``L`` on (the *tail*) are gathered per row into position order, so a row's tail block holds the same keys at
+    the same offsets as when the same tokens are decoded one at a time.
+
+    Args:
+        mask: ``[B, T, S]`` bool over cache columns (:func:`tree_mask`, or a sliding-window refinement of it).
+        write_index: ``[B, T]`` cache column of each row; column 0's (the root's, or a chunk's first) is the
+            committed length ``L_b`` of a tree row.
+        position_ids: ``[B, T]`` position of each row (``L_b`` + depth for tree nodes).
+        groups: query heads per key/value head.
+        tree_rows: host list of the batch rows holding token trees (the executor's decode rows); None or empty
+            when every row's keys are in place.
+        tree_width: query rows of those rows that hold nodes (``<= T``).
+        block: ``Kb``.
+
+    Returns:
+        The plan.
+    """
+    b, t, s = mask.shape
+    dev = mask.device
+    nb = -(-s // block)
+    m = groups * t
+    mp = _ceil_to(m, ROW_TILE)
+    cols = torch.arange(nb * block, device=dev)
+    allowed = torch.zeros((b, t, nb * block), dtype=torch.bool, device=dev)
+    allowed[:, :, :s] = mask
+    plan_rows = None
+    if tree_rows:
+        plan_rows = torch.tensor(tree_rows, dtype=torch.long, device=dev)
+        base = write_index.index_select(0, plan_rows)[:, 0].div(block, rounding_mode="floor") * block  # [Bt]
+        allowed[plan_rows] &= (cols[None, None, :] < base[:, None, None])
+    rows = allowed[:, None].expand(b, groups, t, nb * block).reshape(b, m, nb * block)
+    rows = torch.cat([rows, rows.new_zeros((b, mp - m, nb * block))], 1) if mp > m else rows
+    shared = torch.zeros(rows.shape, dtype=torch.float32, device=dev).masked_fill_(~rows, float("-inf"))
+    shared = shared.view(b, mp, nb, block).permute(0, 2, 1, 3)[:, None]
+    plan = CanonicalPlan(block, groups, nb, shared)
+    if plan_rows is None:
+        return plan
+    bt, tw = len(tree_rows), tree_width
+    nt = -(-(block - 1 + tw) // block)
+    w = nt * block
+    root = write_index.index_select(0, plan_rows)[:, 0]  # [Bt] committed length L
+    base = root.div(block, rounding_mode="floor") * block
+    ar_b = torch.arange(block, device=dev)
+    ar_t = torch.arange(tw, device=dev)
+    # candidates: the tail block's committed columns (position = column), then the call's nodes (position from
+    # position_ids); each visible one lands at offset position - base of the row's tail
+    cand_col = torch.cat([base[:, None] + ar_b[None], root[:, None] + ar_t[None]], 1)  # [Bt, Kb + Tt]
+    cand_off = torch.cat([ar_b[None].expand(bt, block), position_ids.index_select(0, plan_rows)[:, :tw]
+                          - base[:, None]], 1)
+    in_prefix = torch.cat([base[:, None] + ar_b[None] < root[:, None],
+                           torch.ones((bt, tw), dtype=torch.bool, device=dev)], 1)
+    ok_col = in_prefix & (cand_col < s) & (cand_off >= 0) & (cand_off < w)
+    seen = torch.gather(mask.index_select(0, plan_rows)[:, :tw], 2,
+                        cand_col.clamp(0, s - 1)[:, None, :].expand(bt, tw, block + tw))
+    vis = seen & ok_col[:, None, :]  # [Bt, Tt, Kb + Tt]
+    off = torch.where(vis, cand_off[:, None, :].expand(bt, tw, block + tw), torch.full_like(seen, w, dtype=torch.long))
+    index = torch.zeros((bt, tw, w + 1), dtype=torch.long, device=dev)
+    index.scatter_(2, off, torch.where(vis, cand_col[:, None, :], 0).expand(bt, tw, block + tw))
+    ok = torch.zeros((bt, tw, w + 1), dtype=torch.bool, device=dev).scatter_(2, off, vis)
+    index, ok = index[:, :, :w], ok[:, :, :w]
+    index = torch.where(ok, index, 0)
+    tail_bias = torch.zeros(ok.shape, dtype=torch.float32, device=dev).masked_fill_(~ok, float("-inf"))
+    plan.tree_rows, plan.tree_width, plan.tail_blocks = plan_rows, tw, nt
+    plan.tail_index = index.reshape(bt, 1, tw * w, 1)
+    plan.tail_bias = tail_bias.view(bt, 1, tw, nt, 1, block)
+    return plan
+
+
+def _block_softmax(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block: its max ``[..., 1]`` (-inf for a block with no visible key) and ``exp(scores - max) @ values``
+    ``[..., D + 1]`` (the last value column is ones: it yields the softmax denominator from the same product)."""
+    top = scores.amax(-1, keepdim=True)
+    e = torch.exp(scores - top.masked_fill(top == float("-inf"), 0.0))
+    return top, torch.matmul(e, values)
+
+
+def canonical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CanonicalPlan,
+                        scale: float) -> torch.Tensor:
+    """Attention whose result for a query row is bit-identical however the row is batched.
+
+    A row's output does not depend on the other rows of the call, on how many key columns the call reads, or on
+    whether its token sits in a token tree or is decoded alone. That is what makes greedy speculative decoding
+    equal plain decoding token for token when activations are bfloat16 (int8/int4/bf16 weights): PyTorch's
+    ``scaled_dot_product_attention`` gives a row other last bits by row count and key length, and bf16 rounding
+    of later layers turns those into other near-tied tokens. The idea is the fixed split size of batch-invariant
+    kernels (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025): the keys of a row's own
+    sequence are cut into blocks at fixed positions (:func:`canonical_plan`); each block's scores and
+    ``exp @ [V | 1]`` are one float32 GEMM of a fixed shape (``Kb`` keys, query rows padded to a multiple of
+    :data:`ROW_TILE`), and the blocks are combined in position order by one sequential scan (``cumsum``), where a
+    block without visible keys adds exactly zero. ``tests/test_tree_attention.py`` checks the invariance bit for
+    bit over batch sizes, tree shapes, key lengths and thread counts.
+
+    Args:
+        q: ``[B, Hq, T, D]`` queries (any float dtype; computed in float32).
+        k, v: ``[B, Hkv, S, D]`` the cache columns ``[0, S)`` of each row's slot.
+        plan: the forward's :class:`CanonicalPlan` (``groups == Hq // Hkv``).
+        scale: softmax scale.
+
+    Returns:
+        ``[B, Hq, T, D]`` float32. Padded query rows come out as zeros.
+    """
+    b, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g, kb, nb = plan.groups, plan.block, plan.num_blocks
+    if hq != g * hkv:
+        raise ValueError(f"{hq} query heads do not make {g} groups of {hkv} key/value heads")
+    sp = nb * kb
+    keys = torch.zeros((b, hkv, sp, d), dtype=torch.float32, device=q.device)
+    keys[:, :, :s] = k
+    values = torch.zeros((b, hkv, sp, d + 1), dtype=torch.float32, device=q.device)
+    values[:, :, :s, :d] = v
+    values[..., d] = 1.0
+    m = g * t
+    mp = _ceil_to(m, ROW_TILE)
+    qf = q.float().reshape(b, hkv, m, d)
+    if mp > m:
+        qf = torch.cat([qf, qf.new_zeros((b, hkv, mp - m, d))], 2)
+    scores = torch.matmul(qf[:, :, None], keys.view(b, hkv, nb, kb, d).transpose(-1, -2))  # [B, Hkv, nb, Mp, Kb]
+    top, acc = _block_softmax(scores * scale + plan.shared_bias, values.view(b, hkv, nb, kb, d + 1))
+    top = top[:, :, :, :m].reshape(b, hkv, nb, g, t, 1)
+    acc = acc[:, :, :, :m].reshape(b, hkv, nb, g, t, d + 1)
+    if plan.tree_rows is not None:
+        rows, tw, nt = plan.tree_rows, plan.tree_width, plan.tail_blocks
+        bt = rows.shape[0]
+        tk = torch.gather(keys.index_select(0, rows), 2, plan.tail_index.expand(bt, hkv, -1, d))
+        tv = torch.gather(values.index_select(0, rows), 2, plan.tail_index.expand(bt, hkv, -1, d + 1))
+        gp = _ceil_to(g, ROW_TILE)
+        qt = q.index_select(0, rows)[:, :, :tw].float().reshape(bt, hkv, g, tw, d).transpose(2, 3)
+        if gp > g:
+            qt = torch.cat([qt, qt.new_zeros((bt, hkv, tw, gp - g, d))], 3)
+        st = torch.matmul(qt[:, :, :, None], tk.view(bt, hkv, tw, nt, kb, d).transpose(-1, -2))  # [.., nt, Gp, Kb]
+        tt, ta = _block_softmax(st * scale + plan.tail_bias, tv.view(bt, hkv, tw, nt, kb, d + 1))
+        tail_top = torch.full((b, hkv, nt, g, t, 1), float("-inf"), device=q.device)
+        tail_acc = torch.zeros((b, hkv, nt, g, t, d + 1), device=q.device)
+        tail_top[rows, :, :, :, :tw] = tt[..., :g, :].permute(0, 1, 3, 4, 2, 5)
+        tail_acc[rows, :, :, :, :tw] = ta[..., :g, :].permute(0, 1, 3, 4, 2, 5)
+        top = torch.cat([top, tail_top], 2)
+        acc = torch.cat([acc, tail_acc], 2)
+    best = top.amax(2, keepdim=True)
+    weight = torch.exp(top - best.masked_fill(best == float("-inf"), 0.0))  # 0 for blocks without visible keys
+    total = torch.cumsum(weight * acc, dim=2).select(2, -1)  # [B, Hkv, G, T, D + 1], blocks in position order
+    out = total[..., :d] / total[..., d:].clamp_min(1e-30)
+    return out.reshape(b, hq, t, d)

@@ -171,3 +171,57 @@ def test_fused_projections_equal_the_separate_ones_bit_for_bit(dtype):
         assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], -1))
     other = Int8Linear.from_float(torch.randn(64, 128, generator=gen), None)
     assert fuse_linears([layers[0], other]) is None  # int4 beside int8, or a bias beside none
+
+
+@pytest.fixture(scope="module")
+def gqa_pair(tmp_path_factory):
+    """A tiny target with Qwen2.5-1.5B's head layout (6 query heads per key/value head) and its noisy draft."""
+    from specstream.stages.speculative.models.tiny import (
+        TinyDecoderSpec,
+        build_tiny_decoder,
+        random_decoder_state,
+        save_checkpoint,
+    )
+
+    root = tmp_path_factory.mktemp("gqa")
+    spec = TinyDecoderSpec(hidden_size=192, intermediate_size=384, num_hidden_layers=3, num_attention_heads=6,
+                           num_key_value_heads=1, max_position_embeddings=512, head_scale=1.0)
+    state = random_decoder_state(spec, seed=1)
+    return (save_checkpoint(root / "target", spec.config_dict(), state),
+            build_tiny_decoder(root / "draft", spec, seed=11, noise_from=state, noise=0.3))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bfloat16", "int4"])
+def test_long_greedy_speculative_equals_plain_decoding_at_bf16_activations(gqa_pair, dtype):
+    """120 tokens from 8 prompts of 3-100 tokens, batched, SpecInfer tree: at bf16 activations the outputs equal
+    plain decoding token for token. With PyTorch's SDPA as the attention, int8 differed on 5 of the 8 prompts
+    (first at tokens 11-100) and bfloat16 on 3 (kernels/tree_attention.py, canonical_attention)."""
+    target, draft = gqa_pair
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (3, 17, 40, 70, 5, 9, 100, 33)]
+
+    def run(speculate):
+        cfg = EngineConfig(num_slots=8, max_len=400, tree=TreeSpec.parse("1,1,3,1,1"), adaptive=False)
+        engine = SpeculativeEngine.from_checkpoints(target, [draft] if speculate else [], ngram=speculate,
+                                                    config=cfg, dtype=dtype)
+        return engine.generate(prompts, 120)
+
+    plain, spec = run(False), run(True)
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert b.output_ids == a.output_ids, i
+        assert len(a.output_ids) == 120
+    assert sum(r.stats.target_steps for r in spec) < sum(r.stats.target_steps for r in plain)
+
+
+def test_quantized_dtypes_run_on_a_cpu_without_native_bf16(monkeypatch):
+    """An AVX2-only CPU (no avx512_bf16, no AMX) still runs PyTorch's bf16 and packed int8/int4 kernels; the
+    precisions must be offered there (they were refused as 'cannot run on cpu' when oneDNN's native-bf16 check
+    said no)."""
+    from specstream.kernels import quant
+
+    monkeypatch.setattr(quant, "_AVAILABLE", {})
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert quant.native_bf16("cpu") is False
+    for name in ("bfloat16", "int8", "int4", "int4-g64"):
+        assert weight_format(name).label == name
+    assert quant.available_weight_dtypes("cpu") == ["float32", "bfloat16", "int8", "int4", "int4-g64"]

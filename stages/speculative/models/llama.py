@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specstream.kernels.tree_attention import attention_bias, tree_attention
+from specstream.kernels.tree_attention import CanonicalPlan, attention_bias, canonical_attention, canonical_plan, tree_attention
 from specstream.stages.speculative.models.config import DecoderConfig
 from specstream.stages.speculative.models.kv_cache import KVCache
 
@@ -48,6 +48,11 @@ class ForwardBatch:
     read_slots: torch.Tensor | slice | None = None  # set by the decoder: a slice of slots (view) or an index tensor
     attn_bias: torch.Tensor | None = None  # set by the decoder: additive [B, 1, T, S] bias shared by every layer
     attn_bias_f32: torch.Tensor | None = None  # set by the decoder for bf16 activations: the bias in float32
+    #: host list of the rows holding token trees (their nodes sit at node columns, not in position order) and how
+    #: many query rows of theirs hold nodes; set by the executor, read by the canonical attention's plan
+    tree_rows: list[int] | None = None
+    tree_width: int = 0
+    canonical: CanonicalPlan | None = None  # set by the decoder for bf16 activations (row-invariant attention)
 
     def resolve_reads(self) -> None:
         """Decide once per forward, on the host, how layers read the cache: a slice when the slots are a
@@ -114,14 +119,15 @@ class Attention(nn.Module):
         cache.write(self.layer, batch.slots, batch.write_index, k, v)
         keys, values = cache.read(self.layer, batch.read_slots, key_len)
         want = self.layer in batch.attention_layers
-        if q.dtype == torch.bfloat16:
-            # bfloat16 activations: attention in float32, so a row's result does not depend on how many rows
-            # (tree nodes) share the call; bf16 kernels block differently by query count and the output
-            # rounding turns that into different tokens (speculative != plain decoding at the same weights).
-            # The float32 bias is made once per forward (``batch.attn_bias_f32``).
-            out, probs = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias_f32,
-                                        self.head_dim**-0.5, return_probs=want)
-            out = out.to(torch.bfloat16)
+        if batch.canonical is not None:
+            # bfloat16 activations: the row-invariant attention, so a token's result does not depend on the rows
+            # beside it (a tree, other slots, more key columns); SDPA's last float32 bits do, and bf16 rounding
+            # turns them into other near-tied tokens (speculative != plain decoding at the same weights)
+            out = canonical_attention(q, keys, values, batch.canonical, self.head_dim**-0.5).to(q.dtype)
+            probs = None
+            if want:  # the exported probabilities only (visual attention); the output stays the canonical one
+                _, probs = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias_f32,
+                                          self.head_dim**-0.5, return_probs=True)
         else:
             out, probs = tree_attention(q, keys, values, batch.attn_bias, self.head_dim**-0.5, return_probs=want)
         out = out.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim)
@@ -260,7 +266,12 @@ class LlamaDecoder(nn.Module):
             mask = mask & window
             mask[:, :, 0] |= ~mask.any(-1)
         batch.attn_bias = attention_bias(mask, x.dtype)
-        batch.attn_bias_f32 = batch.attn_bias.float() if x.dtype == torch.bfloat16 else None
+        batch.attn_bias_f32 = batch.attn_bias.float() if x.dtype == torch.bfloat16 and batch.attention_layers else None
+        if x.dtype == torch.bfloat16:
+            cfg = self.config
+            batch.canonical = canonical_plan(mask, batch.write_index, batch.position_ids,
+                                             cfg.num_attention_heads // cfg.num_key_value_heads, batch.tree_rows,
+                                             batch.tree_width or batch.input_ids.shape[1])
         cos, sin = self._rope(batch.position_ids, x.dtype)
         probs: dict[int, torch.Tensor] = {}
         for layer in self.model.layers:
