@@ -131,13 +131,14 @@ class CanonicalPlan:
         block: ``Kb``, keys per block.
         groups: ``G``, query heads per key/value head.
         num_blocks: ``nb``, blocks over the cache columns read (``nb * Kb >= S``).
-        shared_bias: ``[B, 1, nb, Mp, Kb]`` float32 additive bias of the blocks read in place from the cache, rows
+        shared_bias: ``[B, 1, Mp, nb * Kb]`` float32 additive bias of the blocks read in place from the cache, rows
             ``(g, t)`` flattened and padded to ``Mp`` (a multiple of :data:`ROW_TILE`).
         tree_rows: ``[Bt]`` batch rows whose tree nodes are not in position order in the cache (None: none).
         tree_width: ``Tt`` query rows of those rows that hold nodes.
         tail_blocks: ``nt`` blocks of each tree row's tail.
         tail_index: ``[Bt, 1, Tt * nt * Kb, 1]`` cache column of each position of each tree row's tail.
         tail_bias: ``[Bt, 1, Tt, nt, 1, Kb]`` float32 additive bias of the tail.
+        tail_first: ``[Bt]`` position block of each tree row's first tail block (``L // Kb``).
     """
 
     block: int
@@ -149,6 +150,7 @@ class CanonicalPlan:
     tail_blocks: int = 0
     tail_index: torch.Tensor | None = None
     tail_bias: torch.Tensor | None = None
+    tail_first: torch.Tensor | None = None
 
 
 def canonical_plan(mask: torch.Tensor, write_index: torch.Tensor, position_ids: torch.Tensor, groups: int,
@@ -194,7 +196,7 @@ def canonical_plan(mask: torch.Tensor, write_index: torch.Tensor, position_ids: 
     rows = allowed[:, None].expand(b, groups, t, nb * block).reshape(b, m, nb * block)
     rows = torch.cat([rows, rows.new_zeros((b, mp - m, nb * block))], 1) if mp > m else rows
     shared = torch.zeros(rows.shape, dtype=torch.float32, device=dev).masked_fill_(~rows, float("-inf"))
-    shared = shared.view(b, mp, nb, block).permute(0, 2, 1, 3)[:, None]
+    shared = shared[:, None]
     plan = CanonicalPlan(block, groups, nb, shared)
     if plan_rows is None:
         return plan
@@ -226,15 +228,30 @@ def canonical_plan(mask: torch.Tensor, write_index: torch.Tensor, position_ids: 
     plan.tree_rows, plan.tree_width, plan.tail_blocks = plan_rows, tw, nt
     plan.tail_index = index.reshape(bt, 1, tw * w, 1)
     plan.tail_bias = tail_bias.view(bt, 1, tw, nt, 1, block)
+    plan.tail_first = base.div(block, rounding_mode="floor")
     return plan
 
 
 def _block_softmax(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block: its max ``[..., 1]`` (-inf for a block with no visible key) and ``exp(scores - max) @ values``
-    ``[..., D + 1]`` (the last value column is ones: it yields the softmax denominator from the same product)."""
+    ``[..., D + 1]`` (the values' last column is ones: it yields the softmax denominator from the same GEMM)."""
     top = scores.amax(-1, keepdim=True)
     e = torch.exp(scores - top.masked_fill(top == float("-inf"), 0.0))
     return top, torch.matmul(e, values)
+
+
+def _fold_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 by folding halves (``x[:n/2] + x[n/2:]``) over the next power of two, zeros appended: the
+    leading elements meet in the same additions whatever the length when the elements beyond them are 0 (a fold
+    of a zero-padded half adds exactly 0 to each element of the other)."""
+    n = x.shape[0]
+    width = 1 << max(0, (n - 1).bit_length())
+    if width > n:
+        x = torch.cat([x, x.new_zeros((width - n, *x.shape[1:]))])
+    while x.shape[0] > 1:
+        h = x.shape[0] // 2
+        x = x[:h] + x[h:]
+    return x[0]
 
 
 def canonical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CanonicalPlan,
@@ -248,10 +265,10 @@ def canonical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     of later layers turns those into other near-tied tokens. The idea is the fixed split size of batch-invariant
     kernels (Thinking Machines, "Defeating Nondeterminism in LLM Inference", 2025): the keys of a row's own
     sequence are cut into blocks at fixed positions (:func:`canonical_plan`); each block's scores and
-    ``exp @ [V | 1]`` are one float32 GEMM of a fixed shape (``Kb`` keys, query rows padded to a multiple of
-    :data:`ROW_TILE`), and the blocks are combined in position order by one sequential scan (``cumsum``), where a
-    block without visible keys adds exactly zero. ``tests/test_tree_attention.py`` checks the invariance bit for
-    bit over batch sizes, tree shapes, key lengths and thread counts.
+    ``exp(scores - max) @ V`` are float32 GEMMs of one fixed shape (``Kb`` keys, query rows padded to a multiple of
+    :data:`ROW_TILE`), its denominator from the same GEMM (a ones column), and the blocks are combined by a
+    pairwise sum over block positions (:func:`_fold_sum`), where a block without visible keys adds exactly zero. ``tests/test_tree_attention.py``
+    checks the invariance bit for bit over batch sizes, tree shapes, key lengths and thread counts.
 
     Args:
         q: ``[B, Hq, T, D]`` queries (any float dtype; computed in float32).
@@ -268,39 +285,62 @@ def canonical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     if hq != g * hkv:
         raise ValueError(f"{hq} query heads do not make {g} groups of {hkv} key/value heads")
     sp = nb * kb
-    keys = torch.zeros((b, hkv, sp, d), dtype=torch.float32, device=q.device)
+    dev = q.device
+    nt = plan.tail_blocks
+    nblk = nb + nt
+    nbp = 1 << max(0, (nblk - 1).bit_length())
+    keys = torch.zeros((b, hkv, sp, d), dtype=torch.float32, device=dev)
     keys[:, :, :s] = k
-    values = torch.zeros((b, hkv, sp, d + 1), dtype=torch.float32, device=q.device)
-    values[:, :, :s, :d] = v
+    # values block-major, [nb, B, Hkv, Kb, D + 1], the last column ones (the softmax denominator)
+    values = torch.zeros((nb, b, hkv, kb, d + 1), dtype=torch.float32, device=dev)
     values[..., d] = 1.0
+    by_row = values.permute(1, 2, 0, 3, 4)  # [B, Hkv, nb, Kb, D + 1] view
+    full = s // kb
+    by_row[:, :, :full, :, :d] = v[:, :, : full * kb].reshape(b, hkv, full, kb, d)
+    if s > full * kb:
+        by_row[:, :, full, : s - full * kb, :d] = v[:, :, full * kb:]
     m = g * t
     mp = _ceil_to(m, ROW_TILE)
     qf = q.float().reshape(b, hkv, m, d)
     if mp > m:
         qf = torch.cat([qf, qf.new_zeros((b, hkv, mp - m, d))], 2)
-    scores = torch.matmul(qf[:, :, None], keys.view(b, hkv, nb, kb, d).transpose(-1, -2))  # [B, Hkv, nb, Mp, Kb]
-    top, acc = _block_softmax(scores * scale + plan.shared_bias, values.view(b, hkv, nb, kb, d + 1))
-    top = top[:, :, :, :m].reshape(b, hkv, nb, g, t, 1)
-    acc = acc[:, :, :, :m].reshape(b, hkv, nb, g, t, d + 1)
+    raw = torch.matmul(qf, keys.transpose(-1, -2))  # [B, Hkv, Mp, Sp]: every key column's score
+    scored = (raw * scale + plan.shared_bias).view(b, hkv, mp, nb, kb)
+    block_top = scored.amax(-1, keepdim=True)  # [B, Hkv, Mp, nb, 1]
+    e = torch.empty((nb, b, hkv, mp, kb), dtype=torch.float32, device=dev)
+    torch.exp(scored - block_top.masked_fill(block_top == float("-inf"), 0.0), out=e.permute(1, 2, 3, 0, 4))
+    # blocks in position order (block j = positions [j Kb, (j + 1) Kb)), then empty ones up to a power of two
+    num = torch.empty((nbp, b, hkv, mp, d + 1), dtype=torch.float32, device=dev)
+    torch.matmul(e, values, out=num[:nb])  # one fixed-shape GEMM per block
+    num[nb:] = 0.0
+    top = torch.full((nbp, b, hkv, mp, 1), float("-inf"), device=dev)
+    top[:nb] = block_top.permute(3, 0, 1, 2, 4)
     if plan.tree_rows is not None:
-        rows, tw, nt = plan.tree_rows, plan.tree_width, plan.tail_blocks
-        bt = rows.shape[0]
-        tk = torch.gather(keys.index_select(0, rows), 2, plan.tail_index.expand(bt, hkv, -1, d))
-        tv = torch.gather(values.index_select(0, rows), 2, plan.tail_index.expand(bt, hkv, -1, d + 1))
+        rows, tw = plan.tree_rows, plan.tree_width
+        bt, w = rows.shape[0], nt * kb
+        index = plan.tail_index.view(bt, 1, 1, tw, w)  # cache column of each tail position of each tree row
+        # the tail's scores are the same GEMM's elements, picked per row into position order
+        rs = raw if bt == b else raw.index_select(0, rows)
+        rs = rs[:, :, :m].reshape(bt, hkv, g, t, sp)[:, :, :, :tw]
+        st = torch.gather(rs, 4, index.expand(bt, hkv, g, tw, w)).view(bt, hkv, g, tw, nt, kb)
+        st = st.permute(0, 1, 3, 4, 2, 5) * scale + plan.tail_bias  # [Bt, Hkv, Tt, nt, G, Kb]
         gp = _ceil_to(g, ROW_TILE)
-        qt = q.index_select(0, rows)[:, :, :tw].float().reshape(bt, hkv, g, tw, d).transpose(2, 3)
         if gp > g:
-            qt = torch.cat([qt, qt.new_zeros((bt, hkv, tw, gp - g, d))], 3)
-        st = torch.matmul(qt[:, :, :, None], tk.view(bt, hkv, tw, nt, kb, d).transpose(-1, -2))  # [.., nt, Gp, Kb]
-        tt, ta = _block_softmax(st * scale + plan.tail_bias, tv.view(bt, hkv, tw, nt, kb, d + 1))
-        tail_top = torch.full((b, hkv, nt, g, t, 1), float("-inf"), device=q.device)
-        tail_acc = torch.zeros((b, hkv, nt, g, t, d + 1), device=q.device)
-        tail_top[rows, :, :, :, :tw] = tt[..., :g, :].permute(0, 1, 3, 4, 2, 5)
-        tail_acc[rows, :, :, :, :tw] = ta[..., :g, :].permute(0, 1, 3, 4, 2, 5)
-        top = torch.cat([top, tail_top], 2)
-        acc = torch.cat([acc, tail_acc], 2)
-    best = top.amax(2, keepdim=True)
+            st = torch.cat([st, st.new_zeros((bt, hkv, tw, nt, gp - g, kb))], 4)
+        # the tail's values gathered per row into position order (whole rows of the block-major buffer)
+        col = index.view(bt, 1, tw * w)
+        flat = (((col // kb) * b + rows[:, None, None]) * hkv + torch.arange(hkv, device=dev)[None, :, None]) * kb
+        flat = flat + col % kb
+        tv = values.view(-1, d + 1).index_select(0, flat.reshape(-1)).view(bt, hkv, tw, nt, kb, d + 1)
+        tt, ta = _block_softmax(st, tv)  # [Bt, Hkv, Tt, nt, Gp, *]
+        # into the tree rows' blocks L // Kb + j, query rows g * T + t: index dims first, then Hkv and the last
+        slot = (plan.tail_first[:, None] + torch.arange(nt, device=dev)[None])[:, :, None, None]
+        mrow = (torch.arange(g, device=dev)[:, None] * t + torch.arange(tw, device=dev)[None])[None, None]
+        at = (slot, rows[:, None, None, None], slice(None), mrow)
+        top[at] = tt[:, :, :, :, :g].permute(0, 3, 4, 2, 1, 5)
+        num[at] = ta[:, :, :, :, :g].permute(0, 3, 4, 2, 1, 5)
+    best = top.amax(0)
     weight = torch.exp(top - best.masked_fill(best == float("-inf"), 0.0))  # 0 for blocks without visible keys
-    total = torch.cumsum(weight * acc, dim=2).select(2, -1)  # [B, Hkv, G, T, D + 1], blocks in position order
+    total = _fold_sum(weight * num)[:, :, :m]  # [B, Hkv, M, D + 1]
     out = total[..., :d] / total[..., d:].clamp_min(1e-30)
     return out.reshape(b, hq, t, d)
