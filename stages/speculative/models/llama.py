@@ -7,6 +7,7 @@ columns and an explicit boolean attention mask: that is what token-tree verifica
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,10 @@ class Attention(nn.Module):
             if want:  # the exported probabilities only (visual attention); the output stays the canonical one
                 _, probs = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias_f32,
                                           self.head_dim**-0.5, return_probs=True)
+        elif q.dtype == torch.bfloat16:  # SPECSTREAM_ROW_INVARIANT_ATTENTION=0: SDPA in float32 (not row-invariant)
+            out, probs = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias_f32,
+                                        self.head_dim**-0.5, return_probs=want)
+            out = out.to(torch.bfloat16)
         else:
             out, probs = tree_attention(q, keys, values, batch.attn_bias, self.head_dim**-0.5, return_probs=want)
         out = out.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim)
@@ -266,8 +271,10 @@ class LlamaDecoder(nn.Module):
             mask = mask & window
             mask[:, :, 0] |= ~mask.any(-1)
         batch.attn_bias = attention_bias(mask, x.dtype)
-        batch.attn_bias_f32 = batch.attn_bias.float() if x.dtype == torch.bfloat16 and batch.attention_layers else None
-        if x.dtype == torch.bfloat16:
+        canonical = x.dtype == torch.bfloat16 and os.environ.get("SPECSTREAM_ROW_INVARIANT_ATTENTION", "1") != "0"
+        batch.attn_bias_f32 = (batch.attn_bias.float() if x.dtype == torch.bfloat16
+                               and (batch.attention_layers or not canonical) else None)
+        if canonical:
             cfg = self.config
             batch.canonical = canonical_plan(mask, batch.write_index, batch.position_ids,
                                              cfg.num_attention_heads // cfg.num_key_value_heads, batch.tree_rows,
