@@ -1,7 +1,10 @@
-"""``specstream caption``: the stage graph on the in-process broker, fed from files, written to JSONL.
+"""``specstream caption``: local files captioned by the stages directly, written to JSONL.
 
-requests -> KeyframeStage -> frames -> CaptionStage -> results -> JSONL sink. The Kafka worker and the HTTP
-API run the same two stages.
+:func:`caption_files` is the command line's path (and ``specstream.caption``'s): each input is opened, its frames
+read (:class:`~specstream.stages.caption.FrameReader`) and each frame captioned on the device loop
+(:func:`~specstream.stages.caption.caption_frame`), plain calls with no broker between them. :func:`run_caption_graph`
+runs the same stages as broker consumers (requests -> KeyframeStage -> frames -> CaptionStage -> results), as the
+Kafka worker does; the HTTP caption route runs it on the in-process broker. Both give the same records.
 """
 
 from __future__ import annotations
@@ -13,16 +16,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specstream.errors import MediaError, UnreadableSourceError
+from specstream.errors import MediaError, UnreadableSourceError, UnsupportedMediaError, error_dict
 from specstream.modalities.source import open_source
-from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, InProcessBroker
-from specstream.pipeline.messages import ErrorInfo, PipelineRequest, PipelineResult, Source
+from specstream.stages.caption import (
+    IMAGE_EXTS,
+    VIDEO_EXTS,
+    Captioner,
+    CaptionStats,
+    FrameReader,
+    MapStems,
+    caption_frame,
+    media_kind,
+    sniff_media,
+)
 
-# full-resolution keyframes waiting between the keyframe and caption stages, at most; with the caption stage's
-# window (CaptionStage.max_in_flight) and one pending frame per video being decoded, this bounds the frames alive
+# full-resolution keyframes waiting between the keyframe and caption stages of the broker graph, at most; with the
+# caption stage's window (CaptionStage.max_in_flight) and one pending frame per video being decoded, this bounds
+# the frames alive
 FRAMES_TOPIC_BOUND = 4
-from specstream.stages.caption import IMAGE_EXTS, VIDEO_EXTS, Captioner, media_kind, sniff_media
-from specstream.pipeline.caption_stages import CaptionStage, KeyframeStage, error_info
+MAX_SOURCE_BYTES = 512 * 1024 * 1024  # size limit of one input (the keyframe stage's default)
 
 
 @dataclass
@@ -98,9 +110,10 @@ def check_input(path: str) -> None:
         media_kind(opened.path, path)
 
 
-def error_record(source: str, error: ErrorInfo) -> dict:
-    """The JSONL record of a failed input: ``{"source", "error": {"code", "message"}}``."""
-    return {"source": source, "error": error.model_dump()}
+def error_record(source: str, error) -> dict:
+    """The JSONL record of a failed input: ``{"source", "error": {"code", "message"}}`` (``error``: that dict or
+    an ``ErrorInfo``)."""
+    return {"source": source, "error": dict(error) if isinstance(error, dict) else error.model_dump()}
 
 
 def failure_line(record: dict) -> str:
@@ -108,11 +121,141 @@ def failure_line(record: dict) -> str:
     return f"failed {record['source']} [{record['error']['code']}]: {record['error']['message']}"
 
 
+class _Ordered:
+    """The records of one input, in order: caption tasks (each returns ``(record, draft)``) and finished records,
+    ended by ``None``."""
+
+    def __init__(self):
+        self.items: asyncio.Queue = asyncio.Queue()
+
+
+async def caption_files(inputs: list[str], captioner: Captioner, out, prompt: str, max_new_tokens: int,
+                        max_keyframes_per_minute: float | None, attention_maps: Path | None,
+                        qos: str = "batch", progress=None, max_in_flight: int = 8, concurrency: int = 2,
+                        failed_early: dict[int, dict] | None = None, report=None,
+                        schema: dict | None = None) -> CaptionJobSummary:
+    """Caption local files with the stages directly; write one JSON line per caption / failed input to ``out``,
+    inputs in input order and each input's records in frame order, each as soon as it and those before it are
+    done (a long video's captions appear while it is still being captioned, and survive an interrupt).
+
+    ``concurrency`` inputs are decoded at once; ``max_in_flight`` frames are being captioned at once (they share
+    the engine's continuous batch), each holding its full-resolution image: with one pending frame per input being
+    decoded, this bounds the frames in memory whatever the videos' length. A video's frames are captioned in
+    order, each drafted from the previous caption (temporal drafter). ``failed_early``: input index -> the
+    ``{"code", "message"}`` it already failed with (``check_input``); its record is written in its place.
+    ``report``: called with the stderr line of each failed input (``failure_line``) as its record is written.
+    ``schema``: a JSON Schema every caption follows. Cancelling this cancels the inputs' decoding and their
+    requests in the device loop."""
+    from specstream.modalities.source import name_fd_paths
+
+    failed_early = failed_early or {}
+    summary = CaptionJobSummary(inputs=len(inputs))
+    stats = CaptionStats()
+    readers: list[FrameReader] = []
+    window = asyncio.Semaphore(max(1, int(max_in_flight)))
+    decoding = asyncio.Semaphore(max(1, int(concurrency)))
+    stems = MapStems()
+    tasks: set[asyncio.Task] = set()
+    captioner.loop.start()  # the device loop's thread (idempotent)
+
+    async def caption(frame, prev: asyncio.Task | None, source: str):
+        hypothesis = None
+        if prev is not None:  # the previous caption of the video (drafting only)
+            await asyncio.wait([prev])
+            if not prev.cancelled() and prev.exception() is None:
+                hypothesis = prev.result()[1]
+        try:
+            fc = await caption_frame(captioner, frame, prompt, max_new_tokens, qos, hypothesis, schema,
+                                     attention_maps, stems)
+        except Exception as exc:  # every failure ends as the frame's error record; the next drafts from before
+            stats.errors += 1
+            return error_record(source, error_dict(exc)), hypothesis
+        stats.decode_s += fc.decode_s
+        stats.captions += 1
+        stats.tokens += len(fc.tokens)
+        stats.target_steps += fc.target_steps
+        return fc.record, fc.draft
+
+    def spawn(coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return task
+
+    async def read_input(i: int, path: str, q: _Ordered) -> None:
+        opened = None
+        prev = None
+        try:
+            if i in failed_early:
+                q.items.put_nowait(error_record(path, failed_early[i]))
+                return
+            async with decoding:
+                try:
+                    opened = open_source(path, None, MAX_SOURCE_BYTES)
+                    kind = await asyncio.to_thread(media_kind, opened.path, path)
+                    reader = FrameReader(opened.path, path, kind, max_keyframes_per_minute)
+                    readers.append(reader)
+                    async with reader:
+                        async for frame in reader:
+                            await window.acquire()
+                            prev = spawn(caption(frame, prev, path))
+                            prev.add_done_callback(lambda _: window.release())
+                            q.items.put_nowait(prev)
+                    if reader.keyframes == 0:
+                        raise UnsupportedMediaError(f"{path}: no frames")
+                except Exception as exc:  # the input's error, after the frames read before it
+                    info = error_dict(exc)
+                    info["message"] = name_fd_paths(info["message"], path)  # its name, not its descriptor
+                    q.items.put_nowait(error_record(path, info))
+                finally:
+                    if opened is not None:
+                        opened.close()
+        finally:
+            q.items.put_nowait(None)
+
+    t0 = time.perf_counter()
+    queues = [_Ordered() for _ in inputs]
+    try:
+        for i, path in enumerate(inputs):
+            spawn(read_input(i, path, queues[i]))
+        failed = 0
+        for i, q in enumerate(queues):
+            input_failed = False
+            while (item := await q.items.get()) is not None:
+                rec = (await item)[0] if isinstance(item, asyncio.Task) else item
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                summary.records.append(rec)
+                if "error" in rec:
+                    input_failed = True
+                    if report is not None:
+                        report(failure_line(rec))
+                if progress is not None:
+                    progress.set_postfix(captions=stats.captions, failed=failed + input_failed, refresh=False)
+                    progress.update(0)
+            failed += input_failed
+            if progress is not None:
+                progress.set_postfix(captions=stats.captions, failed=failed, refresh=False)
+                progress.update(1)
+    finally:
+        for task in list(tasks):  # cancelled (Ctrl-C, a closed iterator): the loop cancels their requests
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    summary.seconds = time.perf_counter() - t0
+    summary.failed_inputs = failed
+    summary.frames_decoded = sum(r.frames_decoded for r in readers)
+    summary.keyframes = sum(r.keyframes for r in readers)
+    summary.captions = stats.captions
+    summary.tokens = stats.tokens
+    summary.target_steps = stats.target_steps
+    return summary
+
+
 async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt: str, max_new_tokens: int,
                             max_keyframes_per_minute: float | None, attention_maps: Path | None,
                             qos: str = "batch", progress=None, broker: InProcessBroker | None = None,
                             max_in_flight: int = 8, allowed_roots: list[Path] | None = None,
-                            failed_early: dict[int, ErrorInfo] | None = None, report=None,
+                            failed_early: dict[int, dict] | None = None, report=None,
                             schema: dict | None = None) -> CaptionJobSummary:
     """Run the graph over ``inputs``; write one JSON line per caption / failed input to ``out``.
 
@@ -120,10 +263,14 @@ async def run_caption_graph(inputs: list[str], captioner: Captioner, out, prompt
     frames); ``max_in_flight``: the caption stage's window. Together they bound the full-resolution frames in
     memory, whatever the videos' length (backpressure back to the decoding child). ``allowed_roots``: directories
     the inputs must lie in, checked when each is opened (None: any path; the command line's own inputs).
-    ``failed_early``: input index -> the error it already failed with (``check_input``); those inputs are not
-    sent through the graph, their records are written in their place. ``report``: called with the stderr line
+    ``failed_early``: input index -> the ``{"code", "message"}`` it already failed with (``check_input``); those
+    inputs are not sent through the graph, their records are written in their place. ``report``: called with the stderr line
     of each failed input (``failure_line``) as its record is written (None: not reported). ``schema``: a JSON
     Schema every caption follows (``CaptionParams.schema``)."""
+    from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, InProcessBroker
+    from specstream.pipeline.caption_stages import CaptionStage, KeyframeStage
+    from specstream.pipeline.messages import PipelineRequest, PipelineResult, Source
+
     failed_early = failed_early or {}
     summary = CaptionJobSummary(inputs=len(inputs))
     if broker is None:
@@ -236,12 +383,12 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
     if not files:
         raise UnreadableSourceError(f"no media files in {inputs}")
     tree_spec = TreeSpec.parse(tree)  # a bad --tree fails before any model loads
-    failed_early: dict[int, ErrorInfo] = {}
+    failed_early: dict[int, dict] = {}
     for i, path in enumerate(files):  # before any model loads: a job of bad inputs ends at once
         try:
             check_input(path)
         except MediaError as exc:
-            failed_early[i] = error_info(exc)
+            failed_early[i] = error_dict(exc)
     if out_path not in (None, "-"):
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)  # before the models load, not after the work
     out = sys.stdout if out_path in (None, "-") else open(out_path, "w")
@@ -281,10 +428,9 @@ def run_caption_job(inputs: list[str], out_path: str | None, target: str | None 
             progress = tqdm(total=len(files), desc="captioning", unit=" input", file=sys.stderr)
             def report(line: str) -> None:  # a line above the bar, not through it (tqdm.write: stdout unless told)
                 progress.write(line, file=sys.stderr)
-        summary = asyncio.run(run_caption_graph(files, captioner, out, prompt, max_new_tokens,
-                                                max_keyframes_per_minute,
-                                                Path(attention_maps) if attention_maps else None, progress=progress,
-                                                failed_early=failed_early, report=report, schema=schema))
+        summary = asyncio.run(caption_files(files, captioner, out, prompt, max_new_tokens, max_keyframes_per_minute,
+                                            Path(attention_maps) if attention_maps else None, progress=progress,
+                                            failed_early=failed_early, report=report, schema=schema))
         summary.skipped = len(skipped)
         return summary
     finally:

@@ -14,7 +14,6 @@ import logging
 import os
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,17 +21,25 @@ from typing import Any
 import numpy as np
 
 from specstream.errors import (
-    CorruptMediaError,
     InvalidRequestError,
     SpecstreamError,
     UnreadableSourceError,
     UnsupportedMediaError,
     UnsupportedTaskError,
+    error_dict,
 )
 from specstream.modalities.source import open_source
 from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESULTS, Broker, Message, consume
 from specstream.pipeline.messages import CaptionParams, ErrorInfo, PipelineRequest, PipelineResult
-from specstream.stages.caption import Captioner, CaptionStats, media_kind
+from specstream.stages.caption import (
+    Captioner,
+    CaptionStats,
+    Frame,
+    MapStems,
+    RecordedError,
+    caption_frame,
+    media_kind,
+)
 
 log = logging.getLogger("specstream.caption")
 
@@ -64,9 +71,7 @@ class FrameTask:
 def error_info(exc: BaseException) -> ErrorInfo:
     """The error record of an exception raised while handling one input: a typed error keeps its code;
     anything else becomes ``internal_error`` naming the exception's type."""
-    if isinstance(exc, SpecstreamError):
-        return ErrorInfo(**exc.to_dict())
-    return ErrorInfo(code=SpecstreamError.code, message=f"{type(exc).__name__}: {exc}")
+    return ErrorInfo(**error_dict(exc))
 
 
 def resolve_source(req: PipelineRequest, allowed_roots: list[Path] | None = None,
@@ -292,7 +297,7 @@ class CaptionStage:
         self.stats = CaptionStats()
         self.max_in_flight = max(1, int(max_in_flight))
         self._chains: dict[str, tuple[asyncio.Task, int]] = {}  # request id -> (task of the newest frame, its seq)
-        self._map_stems: dict[str, str] = {}  # source -> its attention maps' file-name stem (unique per source)
+        self._map_stem = MapStems()  # source -> its attention maps' file-name stem (unique per source)
 
     async def run(self) -> None:
         self.loop.start()  # the device loop's thread (idempotent: the loop may serve other stages too)
@@ -373,74 +378,22 @@ class CaptionStage:
                           frame.request_id, frame.seq)
             return False
 
-    def _map_stem(self, source: str) -> str:
-        """A file-name stem for ``source``'s attention maps that no other source of this stage uses:
-        ``clip`` for the first ``.../clip.*``, then ``clip-2``, ``clip-3``, ..."""
-        from specstream.stages.attention_maps import map_stem
-
-        if source not in self._map_stems:
-            base = map_stem(source)
-            taken = set(self._map_stems.values())
-            stem, n = base, 1
-            while stem in taken:
-                n += 1
-                stem = f"{base}-{n}"
-            self._map_stems[source] = stem
-        return self._map_stems[source]
-
     async def _handle(self, frame: FrameTask, hypothesis: list[int] | None, seq: int) -> list[int] | None:
-        """Caption one frame and publish its result (raises on any failure; the caller publishes the error).
-        Returns the tokens the next frame of the video drafts from."""
+        """Caption one frame (``caption_frame``) and publish its result (raises on any failure; the caller
+        publishes the error). Returns the tokens the next frame of the video drafts from."""
         if frame.error is not None:  # an input's error from the keyframe stage: passed on as it is
             raise RecordedError(frame.error.code, frame.error.message)
-        try:
-            prepared = await asyncio.to_thread(self.captioner.vlm.prepare, frame.image, frame.params.prompt)
-        except Exception as exc:
-            raise CorruptMediaError(f"image preprocessing failed: {exc}") from exc
-        schema = frame.params.schema
-        procs = ()
-        if schema is not None:  # compiled before any decoding: a schema it cannot compile is this frame's error
-            grammar = await asyncio.to_thread(self.captioner.grammar, schema)
-            procs = (grammar.constraint(len(prepared.input_ids)),)
-        req = self.captioner.make_request(prepared, frame.params.max_new_tokens, frame.qos, hypothesis,
-                                          logits_processors=procs)
-        t0 = time.perf_counter()
-        vis: list = []  # the target's attention on the image per committed token, filled by the loop
-        done = await self.loop.submit(req, visual_attention=vis)  # cancelled with this task: the loop frees its slot
-        self.stats.decode_s += time.perf_counter() - t0
-        if done.error:
-            raise RecordedError(done.error.get("code", SpecstreamError.code), done.error.get("message", ""))
-        tokens = list(done.output_ids)
-        caption = self.captioner.text(tokens)
-        record = {"source": frame.source, "kind": frame.kind, "frame_index": frame.frame_index,
-                  "timestamp_s": round(frame.timestamp_s, 6), "caption": caption, "tokens": tokens,
-                  "scene_score": round(frame.scene_score, 6),
-                  "stats": {"target_steps": done.stats.target_steps,
-                            "mean_accepted": round(done.stats.mean_accepted, 6), "tau": round(done.stats.tau, 6)}}
-        if schema is not None:
-            from specstream.stages.speculative.grammar import structured_output
-
-            record["caption"], record["finish_reason"] = structured_output(caption, done.finish_reason)
-        if self.attention_maps is not None and vis:
-            from specstream.stages.attention_maps import save_attention_map
-
-            path = await asyncio.to_thread(save_attention_map, self.attention_maps, frame.source,
-                                           frame.frame_index, frame.image, np.stack(vis), prepared.grid,
-                                           stem=self._map_stem(frame.source))
-            record["attention_map"] = str(path)
+        fc = await caption_frame(self.captioner, Frame(frame.source, frame.kind, frame.image, frame.frame_index,
+                                                       frame.timestamp_s, frame.scene_score),
+                                 frame.params.prompt, frame.params.max_new_tokens, frame.qos, hypothesis,
+                                 frame.params.schema, self.attention_maps, self._map_stem)
+        self.stats.decode_s += fc.decode_s
         await self.broker.publish(TOPIC_RESULTS, frame.request_id, PipelineResult(
-            id=frame.request_id, status="ok", output=record, seq=seq, final=frame.last))
+            id=frame.request_id, status="ok", output=fc.record, seq=seq, final=frame.last))
         self.stats.captions += 1
-        self.stats.tokens += len(tokens)
-        self.stats.target_steps += done.stats.target_steps
-        eos = set(self.captioner.vlm.eos_token_ids)
-        return [t for t in tokens if t not in eos]
+        self.stats.tokens += len(fc.tokens)
+        self.stats.target_steps += fc.target_steps
+        return fc.draft
 
 
-class RecordedError(SpecstreamError):
-    """An error that already has its record (an input's error from the keyframe stage, a request the engine
-    finished with an error): raised to end the frame with that same code and message."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
+__all__ = ["CaptionStage", "FrameTask", "KeyframeStage", "RecordedError", "error_info", "resolve_source"]

@@ -2,9 +2,9 @@
 
 A manifest line is ``{"id": "...", "video": "path or file:// URI", "questions": [{"id": "...", "text": "..."}]}``
 (relative paths are read relative to the manifest's folder). Each video becomes one ``video_qa`` request with its
-questions still to answer; :class:`~specstream.pipeline.qa_stage.QaStage` answers them, in this process (an in-process
-broker) or, with ``--broker kafka://HOST:PORT``, in any number of ``specstream worker`` processes sharing the job
-through the consumer group, while this process collects the results.
+questions still to answer; :class:`~specstream.pipeline.qa_stage.QaStage` answers them, in this process (called
+directly, no broker) or, with ``--broker kafka://HOST:PORT``, in any number of ``specstream worker`` processes
+sharing the job through the consumer group, while this process collects the results.
 
 The output file (one JSON line per question, ``docs/qa.md``):
 
@@ -413,30 +413,25 @@ async def run_qa(manifest: str, out_path: str, options: QaOptions, hub=None, kaf
 
 
 async def _run_embedded(hub, requests, index, on_result, concurrency: int) -> dict[str, Any]:
-    from specstream.pipeline.broker import TOPIC_REQUESTS, TOPIC_RESULTS, InProcessBroker
+    """Answer ``requests`` in this process: :meth:`QaStage.handle` per request (``concurrency`` videos at once),
+    its results handed to ``on_result`` as each is answered; no broker between them."""
     from specstream.pipeline.qa_stage import QaStage
 
-    broker = InProcessBroker()
-    stage = QaStage(broker, hub, allowed_roots=None, concurrency=concurrency)
-    task = asyncio.create_task(stage.run())
-    for req in requests:
-        await broker.publish(TOPIC_REQUESTS, req.id, req)
-    await broker.close_topic(TOPIC_REQUESTS)
-    want = {rid: len(qids) for rid, (_, qids) in index.items()}
     got: dict[str, set[int]] = {rid: set() for rid in index}
+
+    async def emit(res) -> None:
+        if res.id in got and res.seq not in got[res.id]:
+            got[res.id].add(res.seq)
+            on_result(res)
+
+    stage = QaStage(None, hub, allowed_roots=None, concurrency=concurrency, emit=emit)
+    tasks = [asyncio.create_task(stage.handle(req)) for req in requests]
     try:
-        async for msg in broker.subscribe(TOPIC_RESULTS):
-            res = msg.value
-            if res.id in got and res.seq not in got[res.id]:
-                got[res.id].add(res.seq)
-                on_result(res)
-            if all(len(got[r]) >= want[r] for r in want):
-                break
-        await task
+        await asyncio.gather(*tasks)
     finally:
-        if not task.done():
+        for task in tasks:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await hub.stop()
     return dict(stage.stats)
 

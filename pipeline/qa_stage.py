@@ -1,8 +1,9 @@
 """Video question answering, transcription and text generation as a stage: requests in, results out.
 
 :class:`QaStage` consumes ``video_qa``, ``transcribe`` and ``generate`` requests from ``specstream.requests`` and
-publishes :class:`~specstream.pipeline.messages.PipelineResult` s on ``specstream.results``, on any
-:class:`~specstream.pipeline.broker.Broker` (in process for ``specstream qa``; Kafka in ``specstream worker``).
+publishes :class:`~specstream.pipeline.messages.PipelineResult` s on ``specstream.results``, on a
+:class:`~specstream.pipeline.broker.Broker` (Kafka in ``specstream worker``); ``specstream qa`` calls
+:meth:`QaStage.handle` directly, with no broker, and gets the same results.
 Every model call goes through :class:`~specstream.stages.serving.ModelHub`; QA work runs in the ``batch`` class.
 
 A ``video_qa`` request names one video and its questions. For the video, once: keyframes with PTS (the keyframe
@@ -112,9 +113,10 @@ class QaStage:
         max_source_bytes: size limit of a source.
     """
 
-    def __init__(self, broker: Broker, hub: ModelHub, allowed_roots: list[Path] | None = None,
-                 concurrency: int = 2, max_source_bytes: int = 512 * 1024 * 1024):
+    def __init__(self, broker: Broker | None, hub: ModelHub, allowed_roots: list[Path] | None = None,
+                 concurrency: int = 2, max_source_bytes: int = 512 * 1024 * 1024, emit=None):
         self.broker = broker
+        self.emit = emit  # ``await emit(result)`` instead of publishing on the broker (no broker: ``handle``)
         self.hub = hub
         self.allowed_roots = allowed_roots
         self.sem = asyncio.Semaphore(max(1, concurrency))
@@ -139,6 +141,22 @@ class QaStage:
                 return
         msg.done()
 
+    async def handle(self, req: PipelineRequest) -> None:
+        """Answer one request with no broker: its results go to ``emit`` (given at construction), as they would be
+        published; whatever fails ends as the request's error results, as on the broker.
+
+        Raises:
+            RuntimeError: even the error results could not be emitted (``emit`` raised)."""
+        published: set[int] = set()
+        async with self.sem:
+            try:
+                await self._handle(req, published)
+            except Exception as exc:
+                if not isinstance(exc, SpecstreamError):
+                    log.exception("request %s failed", req.id)
+                if not await self._publish_errors(req, published, exc):
+                    raise RuntimeError(f"request {req.id}: its error results could not be emitted") from exc
+
     # -- results ----------------------------------------------------------------------------------------------------
     def _seqs(self, req: PipelineRequest) -> list[int]:
         if req.task == "video_qa":
@@ -150,9 +168,12 @@ class QaStage:
 
     async def _publish(self, req: PipelineRequest, seq: int, last: int, output: dict | None,
                        error: ErrorInfo | None = None) -> None:
-        await self.broker.publish(TOPIC_RESULTS, req.id, PipelineResult(
-            id=req.id, status="error" if error is not None else "ok", output=output, error=error, seq=seq,
-            final=seq == last))
+        res = PipelineResult(id=req.id, status="error" if error is not None else "ok", output=output, error=error,
+                             seq=seq, final=seq == last)
+        if self.emit is not None:
+            await self.emit(res)
+        else:
+            await self.broker.publish(TOPIC_RESULTS, req.id, res)
 
     async def _publish_errors(self, req: PipelineRequest, published: set[int], exc: BaseException) -> bool:
         """``exc`` as the error result of every result not yet published; False when that failed too."""

@@ -156,7 +156,7 @@ class Caption:
 
 
 class _RecordSink:
-    """The file the caption graph writes its JSON lines to, turned into parsed records for ``emit``."""
+    """The file ``caption_files`` writes its JSON lines to, turned into parsed records for ``emit``."""
 
     def __init__(self, emit: Callable[[dict], None]):
         self.emit = emit
@@ -201,9 +201,8 @@ def caption(sources: Source | Sequence[Source], *, prompt: str = "Describe this 
         InvalidRequestError: a malformed ``tree``.
     """
     _prepare_process()
-    from specstream.errors import MediaError, UnreadableSourceError
-    from specstream.pipeline.caption_job import check_input, expand_inputs, run_caption_graph
-    from specstream.pipeline.caption_stages import error_info
+    from specstream.errors import MediaError, UnreadableSourceError, error_dict
+    from specstream.pipeline.caption_job import caption_files, check_input, expand_inputs
     from specstream.stages.caption import Captioner
     from specstream.stages.speculative.drafters.model import TreeSpec
 
@@ -220,7 +219,7 @@ def caption(sources: Source | Sequence[Source], *, prompt: str = "Describe this 
         try:
             check_input(path)
         except MediaError as exc:
-            failed_early[i] = error_info(exc)
+            failed_early[i] = error_dict(exc)
     target, drafts, _ = _default_vlm(target, drafts)
     captioner = Captioner(target, drafts, tree_spec, temporal=temporal, visual_aware=visual_aware,
                           num_slots=num_slots, dtype=dtype, device=device)
@@ -232,9 +231,8 @@ def caption(sources: Source | Sequence[Source], *, prompt: str = "Describe this 
         raise
 
     async def run(emit):
-        await run_caption_graph(files, captioner, _RecordSink(lambda rec: emit(Caption.from_record(rec))),
-                                prompt, max_new_tokens, max_keyframes_per_minute, None,
-                                failed_early=failed_early, schema=schema)
+        await caption_files(files, captioner, _RecordSink(lambda rec: emit(Caption.from_record(rec))), prompt,
+                            max_new_tokens, max_keyframes_per_minute, None, failed_early=failed_early, schema=schema)
 
     return _stream(run, captioner.loop.stop)
 

@@ -30,6 +30,14 @@ class SpecstreamError(Exception):
         return {"code": self.code, "message": self.message}
 
 
+def error_dict(exc: BaseException) -> dict[str, str]:
+    """``{"code", "message"}`` of an exception raised while handling one input (an error record's ``error``): a
+    typed error keeps its code; anything else becomes ``internal_error`` naming the exception's type."""
+    if isinstance(exc, SpecstreamError):
+        return exc.to_dict()
+    return {"code": SpecstreamError.code, "message": f"{type(exc).__name__}: {exc}"}
+
+
 def error_line(code: str, message: str, as_json: bool = False) -> str:
     """The one line a command reports a fatal error with on stderr: ``error [code]: message`` for people, or
     ``{"error": {"code": ..., "message": ...}}`` in the JSON output modes (``--json``, ``--format jsonl``), the

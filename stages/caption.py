@@ -10,14 +10,16 @@ video, merged into one token tree. It knows no broker, topic or message schema: 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from specstream.errors import UnsupportedMediaError
+from specstream.errors import CorruptMediaError, SpecstreamError, UnsupportedMediaError
 from specstream.schedulers.plan import Request
 
 log = logging.getLogger("specstream.caption")
@@ -76,6 +78,187 @@ class CaptionStats:
     @property
     def tau(self) -> float:
         return self.tokens / self.target_steps if self.target_steps else 0.0
+
+
+@dataclass
+class Frame:
+    """An image, or one keyframe of a video, to caption: the full-resolution ``image`` (``[H, W, 3]`` uint8 RGB),
+    the ``source`` as shown in its record, and where it is in its video (PTS seconds, frame number)."""
+
+    source: str
+    kind: str  # "image" or "video"
+    image: Any
+    frame_index: int = 0
+    timestamp_s: float = 0.0
+    scene_score: float = 1.0
+
+
+@dataclass
+class FrameCaption:
+    """One frame's caption: its JSONL ``record`` (``specstream caption``'s), the decoded ``tokens`` (the end token
+    included when it ended there), ``draft`` (the tokens the next keyframe of the video drafts from: without the
+    end token), the target forwards and the decoding time."""
+
+    record: dict
+    tokens: list[int]
+    draft: list[int]
+    target_steps: int
+    decode_s: float
+
+
+class RecordedError(SpecstreamError):
+    """An error that already has its record (an input's error from the keyframe stage, a request the engine
+    finished with an error): raised to end the frame with that same code and message."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class MapStems:
+    """File-name stems of attention maps, one per source and none used twice: ``clip`` for the first
+    ``.../clip.*``, then ``clip-2``, ``clip-3``, ..."""
+
+    def __init__(self):
+        self._stems: dict[str, str] = {}
+
+    def __call__(self, source: str) -> str:
+        from specstream.stages.attention_maps import map_stem
+
+        if source not in self._stems:
+            base = map_stem(source)
+            taken = set(self._stems.values())
+            stem, n = base, 1
+            while stem in taken:
+                n += 1
+                stem = f"{base}-{n}"
+            self._stems[source] = stem
+        return self._stems[source]
+
+
+async def caption_frame(captioner: "Captioner", frame: Frame, prompt: str, max_new_tokens: int,
+                        qos: str = "interactive", hypothesis: list[int] | None = None, schema: dict | None = None,
+                        attention_maps: Path | None = None, map_stem=None) -> FrameCaption:
+    """Caption one frame on the captioner's device loop (started by the caller): prompt preparation, the
+    schema's grammar when one is given, one decoding request, and with ``attention_maps`` the overlay PNG.
+    ``hypothesis``: the previous keyframe's caption of the same video (temporal drafting). ``map_stem``: a
+    function ``source -> stem`` for the map's file name (:class:`MapStems`; default the source's stem).
+
+    Raises:
+        CorruptMediaError: the image cannot be prepared. RecordedError: the engine finished the request with an
+        error. ContextLengthError, InvalidSchemaError, ...: see ``Captioner.make_request`` and ``grammar``.
+    """
+    try:
+        prepared = await asyncio.to_thread(captioner.vlm.prepare, frame.image, prompt)
+    except Exception as exc:
+        raise CorruptMediaError(f"image preprocessing failed: {exc}") from exc
+    procs = ()
+    if schema is not None:  # compiled before any decoding: a schema it cannot compile is this frame's error
+        grammar = await asyncio.to_thread(captioner.grammar, schema)
+        procs = (grammar.constraint(len(prepared.input_ids)),)
+    req = captioner.make_request(prepared, max_new_tokens, qos, hypothesis, logits_processors=procs)
+    t0 = time.perf_counter()
+    vis: list = []  # the target's attention on the image per committed token, filled by the loop
+    done = await captioner.loop.submit(req, visual_attention=vis)  # cancelled with the caller: the slot is freed
+    decode_s = time.perf_counter() - t0
+    if done.error:
+        raise RecordedError(done.error.get("code", SpecstreamError.code), done.error.get("message", ""))
+    tokens = list(done.output_ids)
+    caption = captioner.text(tokens)
+    record = {"source": frame.source, "kind": frame.kind, "frame_index": frame.frame_index,
+              "timestamp_s": round(frame.timestamp_s, 6), "caption": caption, "tokens": tokens,
+              "scene_score": round(frame.scene_score, 6),
+              "stats": {"target_steps": done.stats.target_steps,
+                        "mean_accepted": round(done.stats.mean_accepted, 6), "tau": round(done.stats.tau, 6)}}
+    if schema is not None:
+        from specstream.stages.speculative.grammar import structured_output
+
+        record["caption"], record["finish_reason"] = structured_output(caption, done.finish_reason)
+    if attention_maps is not None and vis:
+        import numpy as np
+
+        from specstream.stages import attention_maps as amaps
+
+        path = await asyncio.to_thread(amaps.save_attention_map, attention_maps, frame.source, frame.frame_index,
+                                       frame.image, np.stack(vis), prepared.grid,
+                                       stem=map_stem(frame.source) if map_stem is not None else None)
+        record["attention_map"] = str(path)
+    eos = set(captioner.vlm.eos_token_ids)
+    return FrameCaption(record, tokens, [t for t in tokens if t not in eos], done.stats.target_steps, decode_s)
+
+
+class FrameReader:
+    """The frames of one opened input, as they are decoded: an image's one frame, or a video's keyframes (full
+    resolution, one at a time, the video decoded in a killable child process). Iterate with ``async for`` inside
+    ``async with`` (leaving it, also by cancellation, ends the decoding child). ``frames_decoded`` and
+    ``keyframes`` count what was read.
+
+    Args:
+        path: the file as opened (``OpenedSource.path``); source: its name in records and messages; kind:
+            ``media_kind``'s answer.
+
+    A video's media error (a corrupt stream after a good part) is raised after the keyframes decoded before it.
+    """
+
+    def __init__(self, path: str, source: str, kind: str, max_keyframes_per_minute: float | None = None):
+        self.path, self.source, self.kind = path, source, kind
+        self.max_keyframes_per_minute = max_keyframes_per_minute
+        self.frames_decoded = 0
+        self.keyframes = 0
+        self._cancel = threading.Event()
+        self._run = None
+        self._it = None
+        self._busy = threading.Lock()  # held while a worker thread advances the run
+
+    async def __aenter__(self) -> "FrameReader":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._run is None:
+            return
+        self._cancel.set()  # a running step stops within one frame
+
+        def close():
+            with self._busy:
+                self._it.close()  # ends the run's decoding child (a no-op after the last keyframe)
+
+        # also on cancellation (Ctrl-C, a closed iterator): a thread cannot be cancelled, so stop its decode loop
+        # and close the run in a thread (the default executor, which asyncio.run waits for)
+        await asyncio.shield(asyncio.to_thread(close))
+        self.frames_decoded += self._run.stats.frames_decoded
+        self._run = None
+
+    async def __aiter__(self):
+        if self.kind == "image":
+            from specstream.modalities.image import load_image
+
+            image = await asyncio.to_thread(load_image, self.path)
+            self.frames_decoded += 1
+            self.keyframes += 1
+            yield Frame(self.source, "image", image)
+            return
+        from specstream.stages.keyframes import select_keyframes
+
+        self._run = select_keyframes(self.path, max_keyframes_per_minute=self.max_keyframes_per_minute,
+                                     cancel=self._cancel)
+        self._it = iter(self._run)
+
+        def step():
+            with self._busy:
+                try:
+                    return next(self._it, None), None
+                except SpecstreamError as exc:  # raised after the keyframes of the part that decoded
+                    return None, exc
+
+        while True:
+            kf, error = await asyncio.to_thread(step)
+            if error is not None:
+                raise error
+            if kf is None:
+                return
+            self.keyframes += 1
+            yield Frame(self.source, "video", kf.image, kf.frame_index, float(kf.timestamp_s),
+                        float(kf.scene_score))
 
 
 class Captioner:
