@@ -102,6 +102,11 @@ def test_history_view_reads_like_the_list_it_replaces():
     assert len(h[9:]) == 0 and list(h[5:2]) == []
     cut = History(prompt, out, stop=4)  # a prefill chunk's rows: the first 4 tokens
     assert list(cut) == full[:4] and cut[-1] == 8
+    for view in (h, h[2:], h[3:6], cut, h[9:], cut[1:]):  # its pieces, in place: the same tokens, none empty
+        pieces = view.segments()
+        assert [t for part, lo, hi in pieces for t in part[lo:hi]] == list(view)
+        assert all(lo < hi for _, lo, hi in pieces)
+    assert h[3:].segments()[0][0] is out and h[3:].segments()[0][1] == 0  # a view of the list, not a copy
     with pytest.raises(IndexError):
         h[7]
 
