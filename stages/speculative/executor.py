@@ -787,6 +787,16 @@ class SpeculativeExecutor:
     # -- commit ---------------------------------------------------------------------------------------------
     def _commit(self, rows: list[_Row], host: list[list[float]], width: int, want_lp: bool,
                 visual: list) -> list[RequestStepResult]:
+        """Each row's result from the one host copy of the verification, then the step's KV moves.
+
+        A loop over rows, and over each row's committed tokens, on purpose: a row is one request's result (its
+        own finish rule, tree budget and drafter state), and it commits at most ``depth + 2`` tokens. What moves
+        data is batched: one :meth:`~.kv_cache.KVCache.compact_batch` gather for the step's target rows and one
+        per drafter (``end_step``). Measured (tiny models, tree "2,2,2,1", 32 rows, median of 15 steps): the
+        whole method 1.0 ms at context 64 and 1.3 ms at 1024 of a 23 / 56 ms step; 0.5 / 0.7 ms of it is the
+        batched KV gather and 0.3 ms the drafters' observe, leaving 0.2-0.3 ms (7-8 us per row, < 1 % of the
+        step, independent of the context) for this loop: not worth moving to the device.
+        """
         results = []
         compact_slots, compact_bases, compact_cols = [], [], []
         observes, nan_rows = [], []
