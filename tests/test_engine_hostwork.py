@@ -102,5 +102,34 @@ def test_history_view_reads_like_the_list_it_replaces():
     assert len(h[9:]) == 0 and list(h[5:2]) == []
     cut = History(prompt, out, stop=4)  # a prefill chunk's rows: the first 4 tokens
     assert list(cut) == full[:4] and cut[-1] == 8
+    for view in (h, h[2:], h[3:6], cut, h[9:], cut[1:]):  # its pieces, in place: the same tokens, none empty
+        pieces = view.segments()
+        assert [t for part, lo, hi in pieces for t in part[lo:hi]] == list(view)
+        assert all(lo < hi for _, lo, hi in pieces)
+    assert h[3:].segments()[0][0] is out and h[3:].segments()[0][1] == 0  # a view of the list, not a copy
     with pytest.raises(IndexError):
         h[7]
+
+
+def test_visual_attention_gathers_the_spans_before_the_means_bit_for_bit():
+    """The executor's visual attention export (spans gathered first, then the means over layers and heads) equals
+    the means of the whole ``[B, T, S]`` block gathered afterwards, bit for bit: rows with spans of different
+    starts and widths, a row without a span, a row with fewer query rows than the block."""
+    from types import SimpleNamespace
+
+    from specstream.stages.speculative.executor import SpeculativeExecutor
+
+    g = torch.Generator().manual_seed(3)
+    b, heads, t, s = 5, 4, 7, 300
+    attn = {layer: torch.rand((b, heads, t, s), generator=g).softmax(-1) for layer in (1, 3, 2)}
+    spans = [(2, 34), None, (10, 74), (0, 16), (5, 37)]
+    n_tok = [7, 7, 3, 7, 1]
+    rows = [SimpleNamespace(request=SimpleNamespace(visual_span=sp), tokens=[0] * n) for sp, n in zip(spans, n_tok)]
+    got = SpeculativeExecutor._visual_attention(None, rows, attn)
+    whole = torch.stack([attn[layer] for layer in sorted(attn)]).mean(0).mean(1)  # [B, T, S]
+    for i, sp in enumerate(spans):
+        if sp is None:
+            assert got[i] is None
+            continue
+        want = whole[i, : n_tok[i], sp[0]: sp[1]].float()
+        assert got[i].shape == want.shape and torch.equal(got[i], want), i

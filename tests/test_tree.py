@@ -131,3 +131,78 @@ def test_compile_trees_pads_a_batch_and_tables_the_draws():
     anc = ancestor_matrix(ct.parents, ct.max_depth)
     assert anc[0, 3].tolist() == [True, True, False, True]
     assert anc[1, 2].tolist() == [False, False, True, False]  # padding sees itself only
+
+
+def _compile_reference(trees, vocab_size, pad_to):
+    """The draw tables walked draw by draw from the Draw objects (what compile_trees did before it copied the
+    trees' flat draw columns): tokens, parents, depths, num_nodes, draw_child, draw_kind, draw_q, draw_uniform, q."""
+    b, t = len(trees), max([len(tr) for tr in trees] + [pad_to or 1])
+    groups = [{} for _ in trees]
+    for g, tr in zip(groups, trees):
+        for d in tr.draws:
+            g.setdefault(d.parent, []).append(d)
+    k = max([len(x) for g in groups for x in g.values()] + [1])
+    nodes = torch.zeros((3, b, t), dtype=torch.long)
+    nodes[1] = -1
+    table = torch.zeros((4, b, t, k), dtype=torch.long)
+    table[0] = -1
+    q_rows, q_index = [], {}
+    for i, tr in enumerate(trees):
+        n = len(tr)
+        nodes[:, i, :n] = torch.tensor([tr.tokens, tr.parents, tr.depths])
+        order = {id(d): j for j, d in enumerate(tr.draws)}
+        for parent, group in groups[i].items():  # parents in the order of their first draw
+            for j, d in enumerate(group):
+                q = 0
+                if d.proposal.kind is ProposalKind.SAMPLED:
+                    ref = d.proposal.q
+                    key = (id(ref.table), ref.row) if isinstance(ref, QRef) else (id(ref), -1)
+                    if key not in q_index:
+                        q_index[key] = len(q_rows)
+                        q_rows.append(ref.table[ref.row] if isinstance(ref, QRef) else ref)
+                    q = q_index[key]
+                table[:, i, parent, j] = torch.tensor([d.child, int(d.proposal.kind), q, order[id(d)]])
+    q = None
+    if q_rows:
+        width = vocab_size or max(r.shape[-1] for r in q_rows)
+        q = torch.zeros((len(q_rows), width))
+        for j, r in enumerate(q_rows):
+            q[j, : min(width, r.shape[-1])] = r[:width].float()
+    return (*nodes, torch.tensor([len(tr) for tr in trees]), *table, q)
+
+
+def test_compile_trees_equals_the_draw_by_draw_tables_on_random_batches():
+    """The batched compilation (flat draw columns, one scatter) gives the same tensors as walking every Draw:
+    random trees with deterministic and sampled draws (shared q rows, bare q tensors), merged and cut."""
+    import random
+
+    rng = random.Random(0)
+    fields = ("tokens", "parents", "depths", "num_nodes", "draw_child", "draw_kind", "draw_q", "draw_uniform", "q")
+    for _ in range(150):
+        tables = [torch.rand(3, rng.choice([6, 8, 10])) for _ in range(2)]
+        frac = rng.choice([0.0, 0.5, 1.0])
+        trees = []
+        for _ in range(rng.randrange(1, 9)):
+            tr = TokenTree(rng.randrange(20))
+            for _ in range(rng.randrange(0, 30)):
+                parent, token = rng.randrange(len(tr)), rng.randrange(6)
+                if rng.random() < frac:
+                    q = QRef(rng.choice(tables), rng.randrange(3)) if rng.random() < 0.7 else torch.rand(8)
+                    tr.add(parent, token, Proposal(ProposalKind.SAMPLED, "d", q))
+                else:
+                    tr.add(parent, token)
+            if rng.random() < 0.3:
+                tr = tr.truncated(rng.randrange(1, 12), rng.randrange(0, 4))
+            if rng.random() < 0.3:
+                tr = TokenTree.merge([tr, tr.truncated(5)], max_nodes=rng.randrange(2, 20))
+            trees.append(tr)
+        vocab, pad_to = rng.choice([None, 8]), rng.choice([None, 3, 40])
+        ct = compile_trees(trees, "cpu", vocab_size=vocab, pad_to=pad_to)
+        for name, want in zip(fields, _compile_reference(trees, vocab, pad_to)):
+            got = getattr(ct, name)
+            if want is None:
+                assert got is None, name
+            else:
+                assert got.dtype == want.dtype and torch.equal(got, want), name
+        assert ct.host_sizes == [len(tr) for tr in trees] and ct.host_draws == [len(tr.draws) for tr in trees]
+        assert ct.max_depth == max(tr.max_depth for tr in trees)

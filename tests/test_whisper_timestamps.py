@@ -167,6 +167,39 @@ def test_batched_timestamp_rules_equal_the_row_by_row_rules():
     assert torch.equal(alone, got[idx])
 
 
+def test_timestamp_rules_on_tree_views_equal_the_rules_on_copied_lists():
+    """The rules on what the executor hands them: per tree node a History view of the request's prompt, output
+    and path (the output list shared by every node of a request, whose last timestamp is looked up once per call)
+    give exactly the scores of the same histories copied into lists; outputs with and without timestamps, with
+    long text since the last one, paths that hold timestamps, and two calls on a grown output."""
+    from specstream.stages.speculative.logits import History
+    from specstream.stages.whisper_timing import ApplyTimestampRules
+
+    g = torch.Generator().manual_seed(9)
+    eot, nts, tb, vocab = 50, 51, 52, 90
+    rand = lambda n, lo=0, hi=eot: [int(t) for t in torch.randint(lo, hi, (n,), generator=g)]  # noqa: E731
+    outputs = [[], rand(30), [tb + 1] + rand(40), [tb + 1] + rand(5) + [tb + 9, tb + 9] + rand(25),
+               [tb + 2] + rand(12) + [tb + 20], rand(3) + [tb + 4] + rand(60)]
+    for grow in (0, 1):
+        procs, seqs = [], []
+        for r, out in enumerate(outputs):
+            if grow:
+                out += rand(2) + ([tb + 30] if r % 2 else [])  # the next step: the same lists, longer
+            prompt = [7] * (2 + r % 3) + ([tb + 5] if r % 2 else [])  # a prompt timestamp is not generated text
+            rules = ApplyTimestampRules(eot, nts, tb, begin_index=len(prompt), max_initial_timestamp_index=5)
+            for k in range(12):
+                path = tuple(rand(k % 4) + (rand(1, tb, vocab) if k % 5 == 4 else []))
+                procs.append(rules)
+                seqs.append(History(prompt, out, path))
+        scores = torch.randn((len(seqs), vocab), generator=g) * 3
+        scores[::3, tb:] += 4.0
+        got = ApplyTimestampRules.apply_rows(procs, seqs, scores.clone())
+        want = ApplyTimestampRules.apply_rows(procs, [list(h) for h in seqs], scores.clone())
+        assert torch.equal(got, want)
+        assert [p._row_bounds(h, vocab, {}) for p, h in zip(procs, seqs)] == [
+            p._row_bounds(list(h), vocab) for p, h in zip(procs, seqs)]
+
+
 def test_speculative_timestamped_decoding_equals_plain_token_for_token(tiny, spoken):
     """Real tiny.en weights, timestamp tokens on, three windows in one batch with different prompt lengths
     (previous text on two): hypothesis drafts that are right, partly wrong and shifted give exactly the plain

@@ -733,15 +733,19 @@ class SpeculativeExecutor:
         have = [i for i, row in enumerate(rows) if row.request.visual_span is not None]
         if not have:
             return out
-        stacked = torch.stack([attn[layer] for layer in sorted(attn)]).mean(0).mean(1)  # [B, T, S]
+        layers = [attn[layer] for layer in sorted(attn)]  # each [B, heads, T, S]
         spans = [rows[i].request.visual_span for i in have]
         width = max(e - s for s, e in spans)
-        dev = stacked.device
-        # one gather of every row's span, padded to the widest, and one host copy for the whole step
+        dev = layers[0].device
+        # every row's span gathered first (padded to the widest), then the means over layers and heads, then one
+        # host copy for the whole step: the work is rows x span, not rows x context (the means of the whole
+        # [B, T, S] before the gather cost 2.2 ms at 32 rows x 1100 keys, 0.56 ms this way; same values, bit
+        # for bit: the means reduce the same elements in the same order)
         start = torch.tensor([s for s, _ in spans], device=dev)
-        cols = (start[:, None] + torch.arange(width, device=dev)[None, :]).clamp(max=stacked.shape[-1] - 1)
-        sel = stacked.index_select(0, torch.tensor(have, device=dev))  # [H, T, S]
-        block = sel.gather(2, cols[:, None, :].expand(-1, sel.shape[1], -1)).float().cpu()  # [H, T, W]
+        cols = (start[:, None] + torch.arange(width, device=dev)[None, :]).clamp(max=layers[0].shape[-1] - 1)
+        hv = torch.tensor(have, device=dev)
+        idx = cols[:, None, None, :].expand(-1, layers[0].shape[1], layers[0].shape[2], -1)  # [rows with a span, heads, T, W]
+        block = torch.stack([a.index_select(0, hv).gather(3, idx) for a in layers]).mean(0).mean(1).float().cpu()
         for k, i in enumerate(have):
             s, e = spans[k]
             out[i] = block[k, : len(rows[i].tokens), : e - s]  # views of the one copy
@@ -785,6 +789,16 @@ class SpeculativeExecutor:
     # -- commit ---------------------------------------------------------------------------------------------
     def _commit(self, rows: list[_Row], host: list[list[float]], width: int, want_lp: bool,
                 visual: list) -> list[RequestStepResult]:
+        """Each row's result from the one host copy of the verification, then the step's KV moves.
+
+        A loop over rows, and over each row's committed tokens, on purpose: a row is one request's result (its
+        own finish rule, tree budget and drafter state), and it commits at most ``depth + 2`` tokens. What moves
+        data is batched: one :meth:`~.kv_cache.KVCache.compact_batch` gather for the step's target rows and one
+        per drafter (``end_step``). Measured (tiny models, tree "2,2,2,1", 32 rows, median of 15 steps): the
+        whole method 1.0 ms at context 64 and 1.3 ms at 1024 of a 23 / 56 ms step; 0.5 / 0.7 ms of it is the
+        batched KV gather and 0.3 ms the drafters' observe, leaving 0.2-0.3 ms (7-8 us per row, < 1 % of the
+        step, independent of the context) for this loop: not worth moving to the device.
+        """
         results = []
         compact_slots, compact_bases, compact_cols = [], [], []
         observes, nan_rows = [], []

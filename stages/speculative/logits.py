@@ -73,6 +73,18 @@ class History(Sequence):
                 yield p[i]
             k += len(p)
 
+    def segments(self) -> list[tuple[Sequence[int], int, int]]:
+        """The view as ``(part, lo, hi)`` pieces in order (``part[lo:hi]``, none empty), no copy: a reader that
+        scans the tokens can walk the parts themselves, or remember what it found in a part that several views
+        share (every node of one request's tree shares its prompt and output lists)."""
+        out, k = [], 0
+        for p in self._parts:
+            lo, hi = max(self._start - k, 0), min(self._stop - k, len(p))
+            if lo < hi:
+                out.append((p, lo, hi))
+            k += len(p)
+        return out
+
     def __reversed__(self):
         for i in range(len(self) - 1, -1, -1):
             yield self[i]
