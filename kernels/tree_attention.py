@@ -191,8 +191,9 @@ def canonical_plan(mask: torch.Tensor, write_index: torch.Tensor, position_ids: 
     plan_rows = None
     if tree_rows:
         plan_rows = torch.tensor(tree_rows, dtype=torch.long, device=dev)
-        base = write_index.index_select(0, plan_rows)[:, 0].div(block, rounding_mode="floor") * block  # [Bt]
-        allowed[plan_rows] &= (cols[None, None, :] < base[:, None, None])
+        root = write_index.index_select(0, plan_rows)[:, 0]  # [Bt] committed length L of each tree row
+        base = root.div(block, rounding_mode="floor") * block  # [Bt] first position of its tail
+        allowed[plan_rows] &= (cols[None, None, :] < base[:, None, None])  # the tail is gathered, not read here
     rows = allowed[:, None].expand(b, groups, t, nb * block).reshape(b, m, nb * block)
     rows = torch.cat([rows, rows.new_zeros((b, mp - m, nb * block))], 1) if mp > m else rows
     shared = torch.zeros(rows.shape, dtype=torch.float32, device=dev).masked_fill_(~rows, float("-inf"))
@@ -203,8 +204,6 @@ def canonical_plan(mask: torch.Tensor, write_index: torch.Tensor, position_ids: 
     bt, tw = len(tree_rows), tree_width
     nt = -(-(block - 1 + tw) // block)
     w = nt * block
-    root = write_index.index_select(0, plan_rows)[:, 0]  # [Bt] committed length L
-    base = root.div(block, rounding_mode="floor") * block
     ar_b = torch.arange(block, device=dev)
     ar_t = torch.arange(tw, device=dev)
     # candidates: the tail block's committed columns (position = column), then the call's nodes (position from
@@ -267,8 +266,9 @@ def canonical_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan:
     sequence are cut into blocks at fixed positions (:func:`canonical_plan`); each block's scores and
     ``exp(scores - max) @ V`` are float32 GEMMs of one fixed shape (``Kb`` keys, query rows padded to a multiple of
     :data:`ROW_TILE`), its denominator from the same GEMM (a ones column), and the blocks are combined by a
-    pairwise sum over block positions (:func:`_fold_sum`), where a block without visible keys adds exactly zero. ``tests/test_tree_attention.py``
-    checks the invariance bit for bit over batch sizes, tree shapes, key lengths and thread counts.
+    pairwise sum over block positions (:func:`_fold_sum`), where a block without visible keys adds exactly zero.
+    ``tests/test_tree_attention.py`` checks the invariance bit for bit over batch sizes, tree shapes, key lengths
+    and thread counts.
 
     Args:
         q: ``[B, Hq, T, D]`` queries (any float dtype; computed in float32).

@@ -566,6 +566,7 @@ class SpeculativeExecutor:
             input_ids=ids, position_ids=pos, write_index=cols, attn_mask=mask, logit_index=lidx,
             inputs_embeds=embeds, attention_layers=self.attention_layers if want_attn else (),
             slot_list=[r.slot for r in rows], max_position=max(r.prefix + len(r.tokens) for r in rows),
+            row_invariant=True,  # the target's bits must not depend on the rows beside each token
             tree_rows=dec_idx if sub is not None and sub.width > 1 else None,  # one-node trees sit in place
             tree_width=sub.width if sub is not None else 0,
         )

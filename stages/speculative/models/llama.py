@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specstream.kernels.tree_attention import CanonicalPlan, attention_bias, canonical_attention, canonical_plan, tree_attention
+from specstream.kernels.tree_attention import (
+    CanonicalPlan,
+    attention_bias,
+    canonical_attention,
+    canonical_plan,
+    tree_attention,
+)
 from specstream.stages.speculative.models.config import DecoderConfig
 from specstream.stages.speculative.models.kv_cache import KVCache
 
@@ -49,11 +55,15 @@ class ForwardBatch:
     read_slots: torch.Tensor | slice | None = None  # set by the decoder: a slice of slots (view) or an index tensor
     attn_bias: torch.Tensor | None = None  # set by the decoder: additive [B, 1, T, S] bias shared by every layer
     attn_bias_f32: torch.Tensor | None = None  # set by the decoder for bf16 activations: the bias in float32
+    #: the row-invariant attention for bf16 activations (:func:`canonical_attention`): a row's bits do not depend
+    #: on the rows beside it. Set by the executor for the target's forwards, whose greedy output must equal plain
+    #: decoding; drafts and other forwards keep SDPA (faster, and their bits decide no output token).
+    row_invariant: bool = False
     #: host list of the rows holding token trees (their nodes sit at node columns, not in position order) and how
     #: many query rows of theirs hold nodes; set by the executor, read by the canonical attention's plan
     tree_rows: list[int] | None = None
     tree_width: int = 0
-    canonical: CanonicalPlan | None = None  # set by the decoder for bf16 activations (row-invariant attention)
+    canonical: CanonicalPlan | None = None  # set by the decoder when ``row_invariant`` applies
 
     def resolve_reads(self) -> None:
         """Decide once per forward, on the host, how layers read the cache: a slice when the slots are a
@@ -64,6 +74,11 @@ class ForwardBatch:
             self.read_slots = slice(first, first + len(slots))
         else:
             self.read_slots = self.slots
+
+
+#: ``SPECSTREAM_ROW_INVARIANT_ATTENTION=0`` (read once, at import) gives the target SDPA as well, for A/B runs;
+#: greedy speculative output at bf16 activations is then no longer guaranteed to equal plain decoding
+ROW_INVARIANT_ATTENTION = os.environ.get("SPECSTREAM_ROW_INVARIANT_ATTENTION", "1") != "0"
 
 
 class RMSNorm(nn.Module):
@@ -129,7 +144,7 @@ class Attention(nn.Module):
             if want:  # the exported probabilities only (visual attention); the output stays the canonical one
                 _, probs = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias_f32,
                                           self.head_dim**-0.5, return_probs=True)
-        elif q.dtype == torch.bfloat16:  # SPECSTREAM_ROW_INVARIANT_ATTENTION=0: SDPA in float32 (not row-invariant)
+        elif q.dtype == torch.bfloat16:  # SDPA in float32 (not row-invariant: drafts, or the switch is off)
             out, probs = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias_f32,
                                         self.head_dim**-0.5, return_probs=want)
             out = out.to(torch.bfloat16)
@@ -271,7 +286,7 @@ class LlamaDecoder(nn.Module):
             mask = mask & window
             mask[:, :, 0] |= ~mask.any(-1)
         batch.attn_bias = attention_bias(mask, x.dtype)
-        canonical = x.dtype == torch.bfloat16 and os.environ.get("SPECSTREAM_ROW_INVARIANT_ATTENTION", "1") != "0"
+        canonical = batch.row_invariant and x.dtype == torch.bfloat16 and ROW_INVARIANT_ATTENTION
         batch.attn_bias_f32 = (batch.attn_bias.float() if x.dtype == torch.bfloat16
                                and (batch.attention_layers or not canonical) else None)
         if canonical:
