@@ -20,6 +20,7 @@ from specstream.errors import MediaError, UnreadableSourceError, UnsupportedMedi
 from specstream.modalities.source import open_source
 from specstream.stages.caption import (
     IMAGE_EXTS,
+    MAX_SOURCE_BYTES,
     VIDEO_EXTS,
     Captioner,
     CaptionStats,
@@ -34,7 +35,6 @@ from specstream.stages.caption import (
 # caption stage's window (CaptionStage.max_in_flight) and one pending frame per video being decoded, this bounds
 # the frames alive
 FRAMES_TOPIC_BOUND = 4
-MAX_SOURCE_BYTES = 512 * 1024 * 1024  # size limit of one input (the keyframe stage's default)
 
 
 @dataclass
@@ -121,14 +121,6 @@ def failure_line(record: dict) -> str:
     return f"failed {record['source']} [{record['error']['code']}]: {record['error']['message']}"
 
 
-class _Ordered:
-    """The records of one input, in order: caption tasks (each returns ``(record, draft)``) and finished records,
-    ended by ``None``."""
-
-    def __init__(self):
-        self.items: asyncio.Queue = asyncio.Queue()
-
-
 async def caption_files(inputs: list[str], captioner: Captioner, out, prompt: str, max_new_tokens: int,
                         max_keyframes_per_minute: float | None, attention_maps: Path | None,
                         qos: str = "batch", progress=None, max_in_flight: int = 8, concurrency: int = 2,
@@ -182,12 +174,12 @@ async def caption_files(inputs: list[str], captioner: Captioner, out, prompt: st
         task.add_done_callback(tasks.discard)
         return task
 
-    async def read_input(i: int, path: str, q: _Ordered) -> None:
+    async def read_input(i: int, path: str, q: asyncio.Queue) -> None:
         opened = None
         prev = None
         try:
             if i in failed_early:
-                q.items.put_nowait(error_record(path, failed_early[i]))
+                q.put_nowait(error_record(path, failed_early[i]))
                 return
             async with decoding:
                 try:
@@ -200,28 +192,28 @@ async def caption_files(inputs: list[str], captioner: Captioner, out, prompt: st
                             await window.acquire()
                             prev = spawn(caption(frame, prev, path))
                             prev.add_done_callback(lambda _: window.release())
-                            q.items.put_nowait(prev)
+                            q.put_nowait(prev)
                     if reader.keyframes == 0:
                         raise UnsupportedMediaError(f"{path}: no frames")
                 except Exception as exc:  # the input's error, after the frames read before it
                     info = error_dict(exc)
                     info["message"] = name_fd_paths(info["message"], path)  # its name, not its descriptor
-                    q.items.put_nowait(error_record(path, info))
+                    q.put_nowait(error_record(path, info))
                 finally:
                     if opened is not None:
                         opened.close()
         finally:
-            q.items.put_nowait(None)
+            q.put_nowait(None)
 
     t0 = time.perf_counter()
-    queues = [_Ordered() for _ in inputs]
+    queues = [asyncio.Queue() for _ in inputs]  # per input: caption tasks and records in order, then None
     try:
         for i, path in enumerate(inputs):
             spawn(read_input(i, path, queues[i]))
         failed = 0
         for i, q in enumerate(queues):
             input_failed = False
-            while (item := await q.items.get()) is not None:
+            while (item := await q.get()) is not None:
                 rec = (await item)[0] if isinstance(item, asyncio.Task) else item
                 out.write(json.dumps(rec) + "\n")
                 out.flush()

@@ -33,6 +33,7 @@ from specstream.pipeline.broker import TOPIC_FRAMES, TOPIC_REQUESTS, TOPIC_RESUL
 from specstream.pipeline.messages import CaptionParams, ErrorInfo, PipelineRequest, PipelineResult
 from specstream.stages.caption import (
     Captioner,
+    MAX_SOURCE_BYTES,
     CaptionStats,
     Frame,
     MapStems,
@@ -75,7 +76,7 @@ def error_info(exc: BaseException) -> ErrorInfo:
 
 
 def resolve_source(req: PipelineRequest, allowed_roots: list[Path] | None = None,
-                   max_bytes: int = 512 * 1024 * 1024) -> tuple[str, str, str | None]:
+                   max_bytes: int = MAX_SOURCE_BYTES) -> tuple[str, str, str | None]:
     """(path on disk, display name, temp file to delete or None) of a request's source.
 
     Raises:
@@ -144,7 +145,7 @@ class KeyframeStage:
     """
 
     def __init__(self, broker: Broker, allowed_roots: list[Path] | None = None, concurrency: int = 2,
-                 max_source_bytes: int = 512 * 1024 * 1024):
+                 max_source_bytes: int = MAX_SOURCE_BYTES):
         self.broker = broker
         self.allowed_roots = allowed_roots
         self.max_source_bytes = max_source_bytes

@@ -54,6 +54,7 @@ from specstream.pipeline.messages import (
     QaParams,
     TranscribeParams,
 )
+from specstream.stages.caption import MAX_SOURCE_BYTES
 from specstream.stages.serving import (
     QOS_BATCH,
     GenerationParams,
@@ -114,7 +115,7 @@ class QaStage:
     """
 
     def __init__(self, broker: Broker | None, hub: ModelHub, allowed_roots: list[Path] | None = None,
-                 concurrency: int = 2, max_source_bytes: int = 512 * 1024 * 1024, emit=None):
+                 concurrency: int = 2, max_source_bytes: int = MAX_SOURCE_BYTES, emit=None):
         self.broker = broker
         self.emit = emit  # ``await emit(result)`` instead of publishing on the broker (no broker: ``handle``)
         self.hub = hub

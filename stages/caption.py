@@ -26,6 +26,8 @@ log = logging.getLogger("specstream.caption")
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 VIDEO_EXTS = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".gif", ".m4v"}
+#: default size limit of one media input, bytes (command line, keyframe stage, QA stage)
+MAX_SOURCE_BYTES = 512 * 1024 * 1024
 
 
 def sniff_media(path: str) -> str | None:

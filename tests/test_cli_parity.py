@@ -21,22 +21,15 @@ pytest.importorskip("aiokafka")
 from qa_fixtures import SENTENCE, talk_clip, write_manifest  # noqa: E402
 from test_kafka import Reader, by_id, make_settings, produce  # noqa: E402
 
-from specstream.pipeline.tansu import TansuBroker, external_bootstrap  # noqa: E402
+from specstream.pipeline.tansu import external_bootstrap, kafka_bootstrap as broker_bootstrap  # noqa: E402
 
 MAX_NEW = 6
 
 
 @pytest.fixture(scope="module")
 def kafka_bootstrap():
-    ext = external_bootstrap()
-    if ext:
-        yield ext
-        return
-    broker = TansuBroker()
-    try:
-        yield broker.bootstrap
-    finally:
-        broker.stop()
+    with broker_bootstrap(external_bootstrap()) as bootstrap:  # $SPECSTREAM_KAFKA_BOOTSTRAP, else a local tansu
+        yield bootstrap
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from media import clips
 
 pytest.importorskip("aiokafka")
 
-from specstream.pipeline.tansu import TansuBroker, external_bootstrap  # noqa: E402
+from specstream.pipeline.tansu import external_bootstrap, kafka_bootstrap as broker_bootstrap  # noqa: E402
 
 from specstream.pipeline.kafka import KafkaSettings, OffsetTracker, create_topics  # noqa: E402
 from specstream.pipeline.worker import topic_specs  # noqa: E402
@@ -34,15 +34,8 @@ MAX_NEW = 6
 
 @pytest.fixture(scope="session")
 def kafka_bootstrap():
-    ext = external_bootstrap()
-    if ext:
-        yield ext
-        return
-    broker = TansuBroker()
-    try:
-        yield broker.bootstrap
-    finally:
-        broker.stop()
+    with broker_bootstrap(external_bootstrap()) as bootstrap:  # $SPECSTREAM_KAFKA_BOOTSTRAP, else a local tansu
+        yield bootstrap
 
 
 @pytest.fixture(scope="session")

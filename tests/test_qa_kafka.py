@@ -23,21 +23,14 @@ pytest.importorskip("aiokafka")
 
 from specstream.pipeline.kafka import KafkaSettings, create_topics  # noqa: E402
 from specstream.pipeline.qa_job import QaOptions, run_qa  # noqa: E402
-from specstream.pipeline.tansu import TansuBroker, external_bootstrap  # noqa: E402
+from specstream.pipeline.tansu import external_bootstrap, kafka_bootstrap as broker_bootstrap  # noqa: E402
 from specstream.pipeline.worker import topic_specs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def kafka_bootstrap():
-    ext = external_bootstrap()
-    if ext:
-        yield ext
-        return
-    broker = TansuBroker()
-    try:
-        yield broker.bootstrap
-    finally:
-        broker.stop()
+    with broker_bootstrap(external_bootstrap()) as bootstrap:  # $SPECSTREAM_KAFKA_BOOTSTRAP, else a local tansu
+        yield bootstrap
 
 
 def settings_for(bootstrap: str, media_dir: Path) -> KafkaSettings:
