@@ -365,7 +365,11 @@ def run(args) -> dict:
         results["configs"].update(hf["configs"])
     results["cpu"] = cpu_model()
     results["read_bandwidth"] = read_bandwidth(args.threads)
-    log(f"CPU {results['cpu']}; read bandwidth {results['read_bandwidth'] / 1e9:.1f} GB/s ({args.threads} threads)")
+    from specstream.kernels.quant import native_bf16
+
+    results["native_bf16"] = native_bf16("cpu")  # without it bf16/int8/int4 kernels convert in software
+    log(f"CPU {results['cpu']}; read bandwidth {results['read_bandwidth'] / 1e9:.1f} GB/s ({args.threads} threads); "
+        f"native bf16: {'yes' if results['native_bf16'] else 'no'}")
     dtypes = args.dtypes or ["float32"]
     results["dtypes"] = dtypes
     for dtype in dtypes:
@@ -439,7 +443,10 @@ def markdown(results: dict) -> str:
              f"{results['date']}.", ""]
     if "cpu" in results:
         lines += [f"CPU: {results['cpu']}; measured read bandwidth {results['read_bandwidth'] / 1e9:.1f} GB/s "
-                  f"(torch sum over 1 GiB, {results['threads']} threads).", ""]
+                  f"(torch sum over 1 GiB, {results['threads']} threads)"
+                  + ("" if "native_bf16" not in results else
+                     f"; native bf16: {'yes' if results['native_bf16'] else 'no (AVX2: kernels convert in software)'}")
+                  + ".", ""]
     if "llama_bench" in results:
         lb = results["llama_bench"]
         lines += [f"llama.cpp `llama-bench` on {lb['file']} ({lb['threads']} threads, plain decode): "
