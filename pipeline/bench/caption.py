@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
 
 def keyframes_main(argv: list[str]) -> int:
     """``specstream bench keyframes [FILE] [--out JSON] [--repeats N]``."""
-    from specstream.pipeline.bench_keyframes import run_keyframes_bench
+    from specstream.pipeline.bench.keyframes import run_keyframes_bench
 
     p = argparse.ArgumentParser(prog="specstream bench keyframes",
                                 description="Keyframe selection speed against bare decoding of the same video "

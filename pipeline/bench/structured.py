@@ -218,7 +218,7 @@ def main(args) -> int:
     from transformers import AutoTokenizer
 
     from specstream.modalities.text import chat_prompt_ids
-    from specstream.pipeline.bench_spec_real import DRAFT, TARGET
+    from specstream.pipeline.bench.spec_real import DRAFT, TARGET
     from specstream.stages.serving import _eos_ids
     from specstream.stages.speculative.grammar import tokenizer_info
     from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
@@ -232,7 +232,7 @@ def main(args) -> int:
     cfg = json.loads((Path(target) / "config.json").read_text())
     info = tokenizer_info(tok, cfg["vocab_size"], eos)
     prompts = {n: (chat_prompt_ids(target, text), schema) for n, (text, schema) in PROMPTS.items()}
-    from specstream.pipeline.bench_spec_real import cpu_model, read_bandwidth
+    from specstream.pipeline.bench.spec_real import cpu_model, read_bandwidth
 
     machine = {"cpu": cpu_model(), "read_bandwidth_gbs": read_bandwidth(args.threads) / 1e9, "threads": args.threads}
     print(f"CPU: {machine['cpu']}; read bandwidth {machine['read_bandwidth_gbs']:.1f} GB/s ({args.threads} threads)")

@@ -379,7 +379,7 @@ def bench_mixed_main(argv: list[str]) -> int:
             parser.error(f"--design wants NAME=PYTHON, got {d!r}")
         designs.append((name, python))
     inflight = [int(x) for x in args.inflight.split(",") if x.strip()]
-    from specstream.pipeline.bench_subtitles import _tests_dir
+    from specstream.pipeline.bench.subtitles import _tests_dir
 
     _tests_dir()
     from live_fixtures import SCRIPT, compose, wer

@@ -275,7 +275,7 @@ def main(args) -> int:
         target, draft = build_models(root, spec)
     from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
 
-    from specstream.pipeline.bench_spec_real import cpu_model, read_bandwidth
+    from specstream.pipeline.bench.spec_real import cpu_model, read_bandwidth
 
     machine = {"cpu": cpu_model(), "read_bandwidth": read_bandwidth(torch.get_num_threads())}
     print(f"CPU {machine['cpu']}; read bandwidth {machine['read_bandwidth'] / 1e9:.1f} GB/s "

@@ -33,7 +33,7 @@ every step drafts the configured tree: the run that compares trees with chains a
 ``hf/greedy`` in the run, outputs are compared with ``ours/no-spec`` alone (which equals HF greedy's in the full
 run).
 
-``--structured`` runs the grammar-constrained workloads instead (``pipeline/bench_structured.py``).
+``--structured`` runs the grammar-constrained workloads instead (``pipeline/bench/structured.py``).
 
 Results: ``OUT/bench_spec_real.json``, ``OUT/bench_spec_real.png`` and ``OUT/bench_spec_real.md`` (the tables;
 ``--table-from JSON`` rebuilds them without running anything); with ``--fixed-trees``,
@@ -158,7 +158,7 @@ def run_hf(target: Path, draft: Path, ids: dict, loads: dict, configs: list[str]
     spec = {"target": str(target), "draft": str(draft), "prompt_ids": ids, "workloads": loads, "configs": configs,
             "new_tokens": new_tokens, "threads": threads, "eos": eos, "pad": pad}
     (tmp / "hf_spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "specstream.pipeline.bench_spec_real", "--hf-worker",
+    proc = subprocess.run([sys.executable, "-m", "specstream.pipeline.bench.spec_real", "--hf-worker",
                            str(tmp / "hf_spec.json"), str(tmp / "hf_out.json")], text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the Hugging Face benchmark process failed (exit {proc.returncode})")
@@ -572,7 +572,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="--real: no fetch/convert progress bars")
     parser.add_argument("--structured", action="store_true",
                         help="--real: JSON-schema workloads (a code-review object, a caption-like object), "
-                             "constrained + speculative vs constrained alone (pipeline/bench_structured.py)")
+                             "constrained + speculative vs constrained alone (pipeline/bench/structured.py)")
     parser.add_argument("--table-from", type=Path, default=None,
                         help="--real: print the markdown tables of an earlier results JSON and exit")
 

@@ -31,7 +31,7 @@ import numpy as np
 
 
 def _tests_dir() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 
 def _pass_mean(passes) -> float | None:
