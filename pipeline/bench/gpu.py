@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from specstream.pipeline.bench.harness import write_results
 from specstream.stages.speculative.models.config import DecoderConfig, RopeConfig
 
 LLAMA2_7B = DecoderConfig(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():
         result["elapsed_s"] = time.perf_counter() - t_start
-        (args.out / "bench_gpu.json").write_text(json.dumps(result, indent=2))
+        write_results(args.out, "bench_gpu", result, indent=2)
 
     def left() -> float:
         return args.budget_s - (time.perf_counter() - t_start)
