@@ -12,7 +12,9 @@ different runs on a shared machine are not comparable), then writes ``OUT/<name>
 - :func:`md_table`: a markdown table, header row first;
 - :func:`pyplot` and :func:`save_figure`: matplotlib without a display (a benchmark skips its plot when
   matplotlib is not installed: ``pip install 'specstream[bench]'``);
-- :func:`write_results` (JSON + markdown + plot into a directory) and :func:`write_json` (one JSON file).
+- :func:`write_results` (JSON + markdown + plot into a directory) and :func:`write_json` (one JSON file);
+- :func:`tests_dir_on_path`: the repository's ``tests/`` on ``sys.path``, for the benchmarks that build their
+  recordings with the tests' fixtures (``live_fixtures``, ``whisper_fixtures``).
 
 Nothing here imports torch at module level: a benchmark's parser can import this module cheaply.
 """
@@ -114,6 +116,14 @@ def paired_ratio(base_times: Sequence[float], times: Sequence[float]) -> float:
 def fmt_ratio(x: float | None, digits: int = 2, missing: str = "–") -> str:
     """``1.23x``, or ``missing`` for None."""
     return f"{x:.{digits}f}x" if x is not None else missing
+
+
+def tests_dir_on_path() -> None:
+    """Put the repository's ``tests/`` folder on ``sys.path`` (the speech benchmarks compose their recordings and
+    score WER with the tests' fixtures; they run from a source checkout)."""
+    tests = str(Path(__file__).resolve().parents[2] / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
 
 
 # -- output ------------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specstream.pipeline.bench.harness import md_table, pyplot, save_figure, write_results
+from specstream.pipeline.bench.harness import md_table, pyplot, save_figure, tests_dir_on_path, write_results
 
 CHUNK_S = 0.5
 
@@ -377,9 +377,7 @@ def bench_mixed_main(argv: list[str]) -> int:
             parser.error(f"--design wants NAME=PYTHON, got {d!r}")
         designs.append((name, python))
     inflight = [int(x) for x in args.inflight.split(",") if x.strip()]
-    from specstream.pipeline.bench.subtitles import _tests_dir
-
-    _tests_dir()
+    tests_dir_on_path()
     from live_fixtures import SCRIPT, compose, wer
 
     sentences = SCRIPT[: args.sentences] if args.sentences else SCRIPT

@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specstream.pipeline.bench.harness import machine_info, machine_line, pyplot, ratio_table, save_figure, write_results
+from specstream.pipeline.bench.harness import (machine_info, machine_line, pyplot, ratio_table, save_figure,
+                                               write_results)
 from specstream.stages.speculative.models.tiny import (
     TinyDecoderSpec,
     layer_skip_state,

@@ -29,11 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specstream.pipeline.bench.harness import pyplot, save_figure, write_results
-
-
-def _tests_dir() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from specstream.pipeline.bench.harness import pyplot, save_figure, tests_dir_on_path, write_results
 
 
 def _pass_mean(passes) -> float | None:
@@ -204,7 +200,7 @@ def bench_subtitles_main(argv: list[str]) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    _tests_dir()
+    tests_dir_on_path()
     from live_fixtures import SCRIPT, compose, long_recording, wer
 
     from specstream.stages.speech import SpeechModel, transcribe

@@ -38,11 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specstream.pipeline.bench.harness import machine_info, md_table, paired_ratio, write_results
-
-
-def _tests_dir() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from specstream.pipeline.bench.harness import (machine_info, md_table, paired_ratio, tests_dir_on_path,
+                                               write_results)
 
 
 def profile_transcribe(sm, audio: np.ndarray, speculate: bool) -> dict:
@@ -155,7 +152,7 @@ def bench_transcribe_main(argv: list[str]) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    _tests_dir()
+    tests_dir_on_path()
     from live_fixtures import SCRIPT, compose, long_recording, wer
 
     from specstream.stages.speech import SpeechModel, transcribe
