@@ -23,7 +23,7 @@ def _tree(prefix: int, nodes: int, vocab: int):
     from specstream.kernels.tree_attention import build_tree_mask
     from specstream.stages.speculative.models.llama import ForwardBatch
 
-    from specstream.pipeline.bench_gpu import probe_tree
+    from specstream.pipeline.bench.gpu import probe_tree
 
     anc, depth = probe_tree(nodes)  # the tree bench_gpu times
     mask = build_tree_mask(torch.tensor([prefix]), [anc], prefix + nodes, nodes)

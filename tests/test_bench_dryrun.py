@@ -2,7 +2,7 @@
 
 import json
 
-from specstream.pipeline import bench_gpu
+from specstream.pipeline.bench import gpu as bench_gpu
 
 
 def test_gpu_bench_script_dry_run_on_cpu(tmp_path):
@@ -20,7 +20,7 @@ def test_gpu_bench_script_dry_run_on_cpu(tmp_path):
 
 
 def test_bench_spec_quick_smoke(tmp_path):
-    from specstream.pipeline.bench_spec import QUICK, build_models, make_prompts, run
+    from specstream.pipeline.bench.spec import QUICK, build_models, make_prompts, run
 
     target, draft = build_models(tmp_path / "m", QUICK)
     res = run(target, draft, make_prompts(1, QUICK.vocab_size, length=16), 8, tmp_path / "out", progress=False)
@@ -32,7 +32,7 @@ def test_bench_spec_quick_smoke(tmp_path):
 def test_bench_mixed_dry_run_through_a_real_server(tmp_path):
     """One sentence, one caption client: a real ``specstream serve`` child process, the WebSocket stream, the
     caption uploads, the server's CPU and device-loop seconds, the table and the plot."""
-    from specstream.pipeline.bench_mixed import bench_mixed_main
+    from specstream.pipeline.bench.mixed import bench_mixed_main
 
     assert bench_mixed_main(["--sentences", "1", "--inflight", "1", "--max-new-tokens", "4",
                              "--out", str(tmp_path)]) == 0
@@ -55,7 +55,7 @@ def test_bench_structured_dry_run_on_tiny_models(tiny, tmp_path):
     """``bench spec --real --structured``'s code on the tiny pair and the test vocabulary of test_structured.py:
     every configuration gives the constrained baseline's outputs, finished ones validate, and the forced-token
     drafter's share and the constraint's time per step are reported."""
-    from specstream.pipeline.bench_structured import markdown, run_structured
+    from specstream.pipeline.bench.structured import markdown, run_structured
     from specstream.stages.speculative.grammar import raw_vocab_info
     from test_structured import EOS, PROMPTS, SCHEMA, VOCAB
 

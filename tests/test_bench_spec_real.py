@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specstream.pipeline.bench_spec_real import markdown, summarize, workloads
+from specstream.pipeline.bench.spec_real import markdown, summarize, workloads
 
 
 def _result():
@@ -59,7 +59,7 @@ def test_fixed_tree_run_compares_with_ours_without_speculation():
 def test_llama_cpp_row_weights_bound_and_rss_columns():
     """With ``--llama-bench`` and ``--dtypes`` the single-prompt tables carry llama.cpp's plain decode as the anchor
     row, each configuration's ratio to it, its weight bytes, its bandwidth bound and its RSS."""
-    from specstream.pipeline.bench_spec_real import parse_llama_bench
+    from specstream.pipeline.bench.spec_real import parse_llama_bench
 
     text = ('build: 1 (abc) with cc\n[\n  {"model_filename": "t.gguf", "n_prompt": 0, "n_gen": 4, '
             '"avg_ts": 8.75, "stddev_ts": 0.1}\n]\n')

@@ -224,3 +224,40 @@ def test_chat_needs_a_chat_template(tiny, tmp_path):
     shutil.copy(whisper_tokenizer_file(), ck / "tokenizer.json")
     err = run("generate", "--target", ck, "--prompt", "hi", "--chat", "--max-new-tokens", 2, check_rc=2).stderr
     assert "invalid_request" in err and "has no chat template" in err
+
+
+NO_BENCH = r"""
+import contextlib, io, json, sys
+from specstream.cli import build_parser, main
+
+def bench():
+    return sorted(m for m in sys.modules if m.startswith("specstream.pipeline.bench"))
+
+seen = {}
+build_parser().parse_args(["caption", "clip.mp4"])
+seen["parser"] = bench()
+with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+    main(["caption", "--help"])
+seen["caption --help"] = bench()
+with contextlib.redirect_stderr(io.StringIO()):
+    seen["caption rc"] = main(["caption", sys.argv[1]])  # a missing input: the caption path up to its check
+seen["caption"] = bench()
+with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+    main(["bench", "spec", "--help"])
+seen["bench spec --help has --real"] = "--real" in out.getvalue()
+seen["bench spec"] = bench()
+print(json.dumps(seen))
+"""
+
+
+def test_non_bench_commands_import_no_benchmark_module(tmp_path):
+    """Before: building the parser imported ``pipeline/bench/spec_real.py`` (the ``bench spec --real`` flags)
+    for every command, ``specstream caption`` included."""
+    proc = subprocess.run([sys.executable, "-c", NO_BENCH, str(tmp_path / "missing.mp4")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["parser"] == seen["caption --help"] == seen["caption"] == [], seen
+    assert seen["caption rc"] == 1  # the missing input failed (its error record), before any model loaded
+    # a bench command still gets its flags, from the bench module
+    assert seen["bench spec --help has --real"] and "specstream.pipeline.bench.spec_real" in seen["bench spec"]

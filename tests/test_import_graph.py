@@ -25,6 +25,9 @@ and never a sibling folder of the same rank):
 5. the public face: ``specstream`` (``__init__``: the public API, lazily), ``specstream.cli``,
    ``specstream.__main__``, ``specstream.api``
 
+The benchmarks (``specstream.pipeline.bench``) are in the pipeline layer, and only the CLI (its bench commands)
+and the benchmarks themselves import them.
+
 A failure names each offending module, line and imported module.
 """
 
@@ -251,6 +254,17 @@ def report(root: Path = ROOT) -> list[str]:
 def test_layers_import_downward_without_cycles():
     problems = report()
     assert not problems, f"{len(problems)} import-graph violations:\n" + "\n".join(problems)
+
+
+def test_only_the_cli_imports_the_benchmarks():
+    """``pipeline/bench/`` (layer pipeline) is imported by the CLI's bench commands and by its own modules only:
+    no product module depends on a benchmark."""
+    bench = "specstream.pipeline.bench"
+    wrong = [f"{e.src} ({e.path}:{e.line}) imports {e.dst}" for e in edges()
+             if (e.dst == bench or e.dst.startswith(bench + "."))
+             and not (e.src == "specstream.cli" or e.src == bench or e.src.startswith(bench + "."))]
+    assert not wrong, "\n".join(wrong)
+    assert any(e.src == "specstream.cli" and e.dst.startswith(bench + ".") for e in edges())
 
 
 def test_graph_sees_local_relative_and_type_checking_imports(tmp_path):

@@ -172,7 +172,7 @@ def test_clip_deduplicator_needs_a_local_model():
 
 
 def test_keyframes_bench_reports_all_baselines(clips, tmp_path):
-    from specstream.pipeline.bench_keyframes import run_keyframes_bench
+    from specstream.pipeline.bench.keyframes import run_keyframes_bench
 
     out = tmp_path / "bench.json"
     report = run_keyframes_bench(str(clips["joined.mp4"]), out_json=str(out), repeats=1)

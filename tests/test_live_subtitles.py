@@ -599,7 +599,7 @@ def test_concurrent_realtime_streams_share_one_engine(sm, rec3):
     """``bench subtitles``' multi-stream run: two streams at real-time pace through one SpeechService. What holds
     at any machine speed (report 7: no wall-clock claim here, that is the benchmark's): both are transcribed
     completely, in order, and every sample of both was decoded."""
-    from specstream.pipeline.bench_subtitles import realtime_streams
+    from specstream.pipeline.bench.subtitles import realtime_streams
 
     path, audio, ends = rec3
     r = asyncio.run(realtime_streams(sm, audio, 2, max_lag_s=8.0))

@@ -19,7 +19,7 @@ from specstream.schedulers.simulator import (
     summarize,
     tree_shape,
 )
-from specstream.schedulers.bench import main as bench_scheduler_main
+from specstream.pipeline.bench.scheduler import main as bench_scheduler_main
 from specstream.schedulers.traces import BATCH, REALTIME, ClassLoad, synthetic_trace, write_trace
 
 SMALL = QosConfig(num_slots=4, max_len=96, reserved_realtime_slots=1, token_budget=128, kv_budget_tokens=240,

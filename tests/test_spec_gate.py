@@ -207,7 +207,7 @@ def test_live_gate_keeps_the_host_syncs_per_step(tiny):
 def test_bench_batch_sweep_smoke(tmp_path):
     """``specstream bench spec --batch-only``'s sweep on tiny shapes: every configuration at each batch size, its
     output equal to no speculation's, ratios against the same batch size's no-speculation run."""
-    from specstream.pipeline.bench_spec import QUICK, batch_sweep, build_models
+    from specstream.pipeline.bench.spec import QUICK, batch_sweep, build_models
 
     target, draft = build_models(tmp_path / "m", QUICK)
     recs = batch_sweep(target, draft, (1, 2), 6, QUICK.vocab_size, rounds=1, progress=False)

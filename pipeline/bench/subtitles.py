@@ -29,9 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def _tests_dir() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from specstream.pipeline.bench.harness import pyplot, save_figure, tests_dir_on_path, write_results
 
 
 def _pass_mean(passes) -> float | None:
@@ -202,7 +200,7 @@ def bench_subtitles_main(argv: list[str]) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    _tests_dir()
+    tests_dir_on_path()
     from live_fixtures import SCRIPT, compose, long_recording, wer
 
     from specstream.stages.speech import SpeechModel, transcribe
@@ -282,9 +280,7 @@ def bench_subtitles_main(argv: list[str]) -> int:
     out["requirements"] = _requirements(out)
     print(json.dumps(out, indent=1))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_subtitles.json").write_text(json.dumps(out, indent=1))
-        plot(out, args.out / "bench_subtitles.png")
+        write_results(args.out, "bench_subtitles", out, plot=plot, indent=1)
     return 0
 
 
@@ -351,13 +347,8 @@ def _requirements(out: dict) -> dict:
 
 def plot(out: dict, path: Path) -> None:
     """WER against p95 final latency for each model, span and recording (real-time pace)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install 'specstream[bench]')", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (model, rname), marker in zip(sorted({(r["model"], r["recording"]) for r in out["runs"]}), "os^vD<>"):
@@ -375,6 +366,4 @@ def plot(out: dict, path: Path) -> None:
     ax.set_ylabel("WER of finals")
     ax.set_title(f"live subtitles ({out['torch_threads']} torch threads, hop {out['hop_s']:g} s)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

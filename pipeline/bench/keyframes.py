@@ -28,6 +28,8 @@ import subprocess
 import time
 from typing import Any
 
+from specstream.pipeline.bench.harness import write_json
+
 
 def _ffmpeg(path: str) -> None:
     exe = shutil.which("ffmpeg")
@@ -137,8 +139,7 @@ def run_keyframes_bench(path: str | None = None, out_json: str | None = None, re
         "required": "select_vs_ffmpeg >= 0.8",
     }
     if out_json:
-        with open(out_json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(out_json, report, indent=2)
     return report
 
 

@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from specstream.pipeline.bench.harness import machine_info, machine_line, md_table, ratio, write_results
+
 REVIEW_SCHEMA = {
     "type": "object",
     "properties": {
@@ -187,7 +189,7 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
     for cname, per in results["configs"].items():
         for wname, rec in per.items():
             if base is not None and wname in base:
-                rec["vs_no_spec"] = rec["tok_s"] / base[wname]["tok_s"]
+                rec["vs_no_spec"] = ratio(rec["tok_s"], base[wname]["tok_s"])
                 rec["identical"] = rec["outputs"] == base[wname]["outputs"]
     return results
 
@@ -198,17 +200,15 @@ def markdown(results: dict) -> str:
     if "cpu" in results:
         machine = (f" CPU: {results['cpu']}; read bandwidth {results['read_bandwidth_gbs']:.1f} GB/s "
                    f"({results['threads']} threads).")
+    header = ["config", "workload", "tokens/s", "vs no-spec", "tau", "forced share of accepted",
+              "constraint ms/step (share)", "mask ms/step", "identical", "valid / cut"]
+    rows = [[cname, wname, f"{r['tok_s']:.2f}", f"{r.get('vs_no_spec', 1.0):.2f}x", f"{r['tau']:.2f}",
+             f"{r['forced_share']:.2f} ({r['forced_accepted']}/{r['forced_proposed']} proposed)",
+             f"{1000 * r['constraint_s_per_step']:.2f} ({100 * r['constraint_share']:.1f}%)",
+             f"{1000 * r['mask_s_per_step']:.2f}", r.get('identical', '-'), f"{r['valid']} / {r['cut']}"]
+            for cname, per in results["configs"].items() for wname, r in per.items()]
     lines = [f"Constrained greedy decoding, {results['new_tokens']} new tokens per request.{machine}", "",
-             "| config | workload | tokens/s | vs no-spec | tau | forced share of accepted | constraint ms/step "
-             "(share) | mask ms/step | identical | valid / cut |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for cname, per in results["configs"].items():
-        for wname, r in per.items():
-            lines.append(
-                f"| {cname} | {wname} | {r['tok_s']:.2f} | {r.get('vs_no_spec', 1.0):.2f}x | {r['tau']:.2f} | "
-                f"{r['forced_share']:.2f} ({r['forced_accepted']}/{r['forced_proposed']} proposed) | "
-                f"{1000 * r['constraint_s_per_step']:.2f} ({100 * r['constraint_share']:.1f}%) | "
-                f"{1000 * r['mask_s_per_step']:.2f} | {r.get('identical', '-')} | {r['valid']} / {r['cut']} |")
+             *md_table(header, rows)]
     return "\n".join(lines)
 
 
@@ -218,7 +218,7 @@ def main(args) -> int:
     from transformers import AutoTokenizer
 
     from specstream.modalities.text import chat_prompt_ids
-    from specstream.pipeline.bench_spec_real import DRAFT, TARGET
+    from specstream.pipeline.bench.spec_real import DRAFT, TARGET
     from specstream.stages.serving import _eos_ids
     from specstream.stages.speculative.grammar import tokenizer_info
     from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
@@ -232,19 +232,15 @@ def main(args) -> int:
     cfg = json.loads((Path(target) / "config.json").read_text())
     info = tokenizer_info(tok, cfg["vocab_size"], eos)
     prompts = {n: (chat_prompt_ids(target, text), schema) for n, (text, schema) in PROMPTS.items()}
-    from specstream.pipeline.bench_spec_real import cpu_model, read_bandwidth
-
-    machine = {"cpu": cpu_model(), "read_bandwidth_gbs": read_bandwidth(args.threads) / 1e9, "threads": args.threads}
-    print(f"CPU: {machine['cpu']}; read bandwidth {machine['read_bandwidth_gbs']:.1f} GB/s ({args.threads} threads)")
+    info = machine_info(args.threads)
+    machine = {"cpu": info["cpu"], "read_bandwidth_gbs": info["read_bandwidth"] / 1e9, "threads": args.threads}
+    print(machine_line(info))
     results = run_structured(target, draft, info, prompts, lambda ids: tok.decode(ids, skip_special_tokens=True),
                              args.max_new_tokens, 0 if args.no_batch else 8, eos,
                              adaptive=not args.fixed_trees)
     results.update(machine)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_structured.json").write_text(json.dumps(results, indent=1))
     table = markdown(results)
-    (out / "bench_structured.md").write_text(table + "\n")
+    write_results(args.out, "bench_structured", results, markdown=table, indent=1)
     print(table)
     flags = [rec.get("identical") for per in results["configs"].values() for rec in per.values()]
     return 0 if all(f is not False for f in flags) else 1

@@ -9,10 +9,10 @@ measurement; ``cpu-2core`` was measured on the 2-core CPU machine).
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 from pathlib import Path
 
+from specstream.pipeline.bench.harness import md_table, pyplot, save_figure, write_results
 from specstream.schedulers.costmodel import get_profile
 from specstream.schedulers.qos import QosConfig
 from specstream.schedulers.simulator import SimConfig, simulate, summarize
@@ -54,36 +54,30 @@ def run(duration_s: float, scale: float, seed: int, profile: str) -> dict:
 def table(result: dict) -> str:
     p = result["policies"]
     lines = [f"Profile `{result['profile']}`, {result['requests']} requests over {result['duration_s']} s "
-             f"(load scale {result['scale']}, seed {result['seed']}).", "",
-             "| qos | policy | completed | rejected | p50 ms | p99 ms | SLO attainment | tokens/s | "
-             "SLO vs fifo | SLO vs static |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"(load scale {result['scale']}, seed {result['seed']}).", ""]
 
-    def ratio(a, b):
+    def ratio(a, b):  # an attainment of 0 against 0 is parity; above 0 against 0 has no finite ratio
         return "inf" if b == 0 and a > 0 else ("1.00" if b == 0 else f"{a / b:.2f}")
 
-    for q in ("realtime", "interactive", "batch"):
-        for policy in POLICIES:
-            c = p[policy][q]
-            lines.append(f"| {q} | {policy} | {c['completed']} | {c['rejected']} | {c['p50_ms']:.1f} | "
-                         f"{c['p99_ms']:.1f} | {c['slo_attainment']:.3f} | {c['tokens_per_s']:.1f} | "
-                         f"{ratio(c['slo_attainment'], p['fifo'][q]['slo_attainment'])} | "
-                         f"{ratio(c['slo_attainment'], p['static'][q]['slo_attainment'])} |")
+    lines += md_table(["qos", "policy", "completed", "rejected", "p50 ms", "p99 ms", "SLO attainment", "tokens/s",
+                       "SLO vs fifo", "SLO vs static"],
+                      [[q, policy, c["completed"], c["rejected"], f"{c['p50_ms']:.1f}", f"{c['p99_ms']:.1f}",
+                        f"{c['slo_attainment']:.3f}", f"{c['tokens_per_s']:.1f}",
+                        ratio(c["slo_attainment"], p["fifo"][q]["slo_attainment"]),
+                        ratio(c["slo_attainment"], p["static"][q]["slo_attainment"])]
+                       for q in ("realtime", "interactive", "batch") for policy in POLICIES
+                       for c in (p[policy][q],)])
     lines.append("")
-    lines.append("| policy | makespan s | preemptions | max wait ms | peak KV fraction |")
-    lines.append("|---|---|---|---|---|")
-    for policy in POLICIES:
-        a = p[policy]["_all"]
-        lines.append(f"| {policy} | {a['makespan_s']:.2f} | {a['preemptions']} | {a['max_wait_ms']:.1f} | "
-                     f"{a['peak_kv_fraction']:.3f} |")
+    lines += md_table(["policy", "makespan s", "preemptions", "max wait ms", "peak KV fraction"],
+                      [[policy, f"{a['makespan_s']:.2f}", a["preemptions"], f"{a['max_wait_ms']:.1f}",
+                        f"{a['peak_kv_fraction']:.3f}"] for policy in POLICIES for a in (p[policy]["_all"],)])
     return "\n".join(lines) + "\n"
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     classes = ("realtime", "interactive", "batch")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -99,9 +93,7 @@ def plot(result: dict, path: Path) -> None:
     axes[0].set_ylim(0, 1.05)
     axes[0].legend()
     fig.suptitle(f"scheduler policies, simulated on profile {result['profile']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def main(argv: list[str]) -> int:
@@ -116,10 +108,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--profile", default="h200-est", help="cost profile: h200-est (estimated) or cpu-2core")
     args = ap.parse_args(argv)
     result = run(args.duration_s, args.scale, args.seed, args.profile)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scheduler.json").write_text(json.dumps(result, indent=1))
     text = table(result)
-    (args.out / "scheduler.md").write_text(text)
-    plot(result, args.out / "scheduler.png")
+    write_results(args.out, "scheduler", result, markdown=text, plot=plot, indent=1)
     print(text)
     return 0

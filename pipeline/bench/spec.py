@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specstream.pipeline.bench.harness import (machine_info, machine_line, pyplot, ratio_table, save_figure,
+                                               write_results)
 from specstream.stages.speculative.models.tiny import (
     TinyDecoderSpec,
     layer_skip_state,
@@ -157,13 +159,10 @@ def run(target: Path, draft: Path, prompts: list[list[int]], max_new_tokens: int
             rec = ours(f"replay/c{corruption}/d{depth}", [], False, tree=",".join(["1"] * depth), extra=rep)
             results["replay"].append({"corruption": corruption, "nodes": depth + 1, "tau": rec["tau"],
                                       "speedup": rec["tok_s"] / base["tok_s"]})
-    for name, rec in results["configs"].items():
-        rec["vs_no_spec"] = rec["tok_s"] / base["tok_s"]
-        rec["vs_hf_greedy"] = rec["tok_s"] / results["configs"]["hf/greedy"]["tok_s"]
+    ratio_table(results["configs"], "ours/no-spec", "tok_s", into="vs_no_spec")
+    ratio_table(results["configs"], "hf/greedy", "tok_s", into="vs_hf_greedy")
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "bench_spec.json").write_text(json.dumps(results, indent=2))
-        plot(results, out_dir / "bench_spec.png")
+        write_results(out_dir, "bench_spec", results, plot=plot, indent=2)
     return results
 
 
@@ -226,9 +225,9 @@ def batch_sweep(target: Path, draft: Path, batch_sizes: tuple[int, ...], max_new
                     rec["gate"] = dict(eng.executor.gate.counts)
                 if name not in best or rec["tok_s"] > best[name]["tok_s"]:
                     best[name] = rec
+        ratio_table(best, "ours/no-spec", "tok_s", into="vs_no_spec")
+        ratio_table(best, "ours/no-spec", "tok_per_cpu_s", into="cpu_vs_no_spec")
         for name, rec in best.items():
-            rec["vs_no_spec"] = rec["tok_s"] / best["ours/no-spec"]["tok_s"]
-            rec["cpu_vs_no_spec"] = rec["tok_per_cpu_s"] / best["ours/no-spec"]["tok_per_cpu_s"]
             records.append(rec)
             if progress:
                 print(f"batch {b} {name}: {rec['tok_s']:.1f} tok/s ({rec['vs_no_spec']:.3f}x no-spec; per CPU "
@@ -238,13 +237,8 @@ def batch_sweep(target: Path, draft: Path, batch_sizes: tuple[int, ...], max_new
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install 'specstream[bench]')")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for corruption in sorted({r["corruption"] for r in results["replay"]}):
@@ -257,9 +251,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_ylabel("speed-up vs no speculation (same runtime)")
     ax.set_title("specstream: speed-up against tree size (CPU)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(args) -> int:
@@ -275,25 +267,22 @@ def main(args) -> int:
         target, draft = build_models(root, spec)
     from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
 
-    from specstream.pipeline.bench_spec_real import cpu_model, read_bandwidth
-
-    machine = {"cpu": cpu_model(), "read_bandwidth": read_bandwidth(torch.get_num_threads())}
-    print(f"CPU {machine['cpu']}; read bandwidth {machine['read_bandwidth'] / 1e9:.1f} GB/s "
-          f"({torch.get_num_threads()} threads)")
+    info = machine_info(torch.get_num_threads())
+    machine = {"cpu": info["cpu"], "read_bandwidth": info["read_bandwidth"]}
+    print(machine_line(info))
     vocab = resolve_checkpoint(target).decoder_config().vocab_size
     sizes = tuple(getattr(args, "batch_sizes", None) or BATCH_SIZES)
     if getattr(args, "batch_only", False):
         sweep = batch_sweep(target, draft, sizes, args.max_new_tokens, vocab)
         if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "bench_spec_batch.json").write_text(json.dumps(sweep, indent=2))
+            write_results(args.out, "bench_spec_batch", sweep, indent=2)
         return 0 if all(r["identical"] for r in sweep) else 1
     prompts = make_prompts(args.prompts, vocab)
     res = run(target, draft, prompts, args.max_new_tokens, args.out)
     res["batch_sweep"] = batch_sweep(target, draft, sizes, args.max_new_tokens, vocab)
     res.update(machine)
     if args.out is not None:
-        (args.out / "bench_spec.json").write_text(json.dumps(res, indent=2))
+        write_results(args.out, "bench_spec", res, indent=2)
     print(json.dumps({k: {kk: round(vv, 3) if isinstance(vv, float) else vv for kk, vv in v.items()}
                       for k, v in res["configs"].items()}, indent=1))
     return 0 if all(c.get("identical", True) for c in res["configs"].values()) else 1

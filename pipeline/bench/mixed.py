@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specstream.pipeline.bench.harness import md_table, pyplot, save_figure, tests_dir_on_path, write_results
+
 CHUNK_S = 0.5
 
 
@@ -310,25 +312,23 @@ def _verdicts(res: dict) -> list[dict]:
 
 
 def table(out: dict) -> str:
-    lines = ["| design | N | subtitle p95 alone (s) | p95 with N (s) | ratio | WER alone / with N | captions/s alone |"
-             " with subtitles | needed | video decoding CPU share |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for d in out["designs"]:
         alone = d["runs"][0]["subtitles"]
         for v in d["verdicts"]:
             mixed = next(r for r in d["runs"] if r["inflight"] == v["inflight"] and r["with_stream"])["subtitles"]
-            lines.append(f"| {d['design']} | {v['inflight']} | {alone['latency_s_p95']} | {mixed['latency_s_p95']} "
-                         f"| {v['p95_ratio']} | {v['wer_alone']} / {v['wer_mixed']} | {v['captions_per_s_alone']} "
-                         f"| {v['captions_per_s_mixed']} | {v['throughput_needed']} | "
-                         f"{v['video_decoding_cpu_share']} |")
-    return "\n".join(lines)
+            rows.append([d["design"], v["inflight"], alone["latency_s_p95"], mixed["latency_s_p95"], v["p95_ratio"],
+                         f"{v['wer_alone']} / {v['wer_mixed']}", v["captions_per_s_alone"],
+                         v["captions_per_s_mixed"], v["throughput_needed"], v["video_decoding_cpu_share"]])
+    return "\n".join(md_table(["design", "N", "subtitle p95 alone (s)", "p95 with N (s)", "ratio",
+                                "WER alone / with N", "captions/s alone", "with subtitles", "needed",
+                                "video decoding CPU share"], rows))
 
 
 def plot(out: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     designs = out["designs"]
@@ -354,9 +354,7 @@ def plot(out: dict, path: Path) -> None:
     ax2.set_ylabel("captions per second")
     ax2.set_title("caption throughput")
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def bench_mixed_main(argv: list[str]) -> int:
@@ -379,9 +377,7 @@ def bench_mixed_main(argv: list[str]) -> int:
             parser.error(f"--design wants NAME=PYTHON, got {d!r}")
         designs.append((name, python))
     inflight = [int(x) for x in args.inflight.split(",") if x.strip()]
-    from specstream.pipeline.bench_subtitles import _tests_dir
-
-    _tests_dir()
+    tests_dir_on_path()
     from live_fixtures import SCRIPT, compose, wer
 
     sentences = SCRIPT[: args.sentences] if args.sentences else SCRIPT
@@ -400,8 +396,6 @@ def bench_mixed_main(argv: list[str]) -> int:
         res["verdicts"] = _verdicts(res)
         out["designs"].append(res)
     out["loadavg_end"] = os.getloadavg()[0]
-    (args.out / "bench_mixed.json").write_text(json.dumps(out, indent=1))
-    (args.out / "bench_mixed.md").write_text(table(out) + "\n")
-    plot(out, args.out / "bench_mixed.png")
+    write_results(args.out, "bench_mixed", out, markdown=table(out), plot=plot, indent=1)
     print(table(out))
     return 0

@@ -38,9 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-
-def _tests_dir() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from specstream.pipeline.bench.harness import (machine_info, md_table, paired_ratio, tests_dir_on_path,
+                                               write_results)
 
 
 def profile_transcribe(sm, audio: np.ndarray, speculate: bool) -> dict:
@@ -153,7 +152,7 @@ def bench_transcribe_main(argv: list[str]) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    _tests_dir()
+    tests_dir_on_path()
     from live_fixtures import SCRIPT, compose, long_recording, wer
 
     from specstream.stages.speech import SpeechModel, transcribe
@@ -175,9 +174,8 @@ def bench_transcribe_main(argv: list[str]) -> int:
     models = ["tiny.en"] if args.quick else [x for x in args.models.split(",") if x]
     rounds = 1 if args.quick else max(1, args.rounds)
     dtypes = [x for x in args.dtypes.split(",") if x]
-    from specstream.pipeline.bench_spec_real import cpu_model, read_bandwidth
-
-    cpu, bandwidth = cpu_model(), read_bandwidth(args.threads)
+    info = machine_info(args.threads)
+    cpu, bandwidth = info["cpu"], info["read_bandwidth"]
     log(f"CPU: {cpu} ({os.cpu_count()} CPUs); read bandwidth {bandwidth / 1e9:.1f} GB/s ({args.threads} threads); "
         f"torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
     out: dict = {"date": datetime.date.today().isoformat(), "cpu": cpu, "read_bandwidth": bandwidth,
@@ -223,10 +221,9 @@ def bench_transcribe_main(argv: list[str]) -> int:
                               "rtf_runs": [round(x, 4) for x in rtf]}
             off = walls["ours spec off"]
             for name, row in rows.items():  # ratios of the same rounds: how many times faster than ours-off / fw int8
-                row["x_vs_ours_off"] = round(statistics.median(o / w for o, w in zip(off, walls[name])), 3)
+                row["x_vs_ours_off"] = round(paired_ratio(off, walls[name]), 3)
                 if "faster-whisper int8" in walls:
-                    row["x_vs_fw_int8"] = round(statistics.median(
-                        f / w for f, w in zip(walls["faster-whisper int8"], walls[name])), 3)
+                    row["x_vs_fw_int8"] = round(paired_ratio(walls["faster-whisper int8"], walls[name]), 3)
             m["transcribe"][rname] = rows
             for name, row in rows.items():
                 log(f"{model_name} {rname} ({dur:.1f} s) {name}: WER {row['wer']}, RTF {row['rtf_median']}, "
@@ -246,7 +243,7 @@ def bench_transcribe_main(argv: list[str]) -> int:
                 m["passes"][rname] = {
                     "passes": len(kvs), "hop_s": args.hop_s, "window_s": args.pass_window_s,
                     "decode_s_off": round(statistics.median(off_w), 3), "decode_s_on": round(statistics.median(on_w), 3),
-                    "x_on_vs_off": round(statistics.median(o / n for o, n in zip(off_w, on_w)), 3),
+                    "x_on_vs_off": round(paired_ratio(off_w, on_w), 3),
                     "steps_off": res[False][0][2], "steps_on": res[True][0][2],
                     "identical_tokens": all(x[1] == res[False][0][1] for x in res[True] + res[False])}
                 log(f"  passes: {m['passes'][rname]}")
@@ -259,9 +256,7 @@ def bench_transcribe_main(argv: list[str]) -> int:
 def _write(out: dict, directory: Path | None) -> None:
     out["loadavg_end"] = round(os.getloadavg()[0], 2)
     if directory is not None:
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "bench_transcribe.json").write_text(json.dumps(out, indent=1) + "\n")
-        (directory / "bench_transcribe.md").write_text(markdown(out))
+        write_results(directory, "bench_transcribe", out, markdown=markdown(out), indent=1)
 
 
 def markdown(out: dict) -> str:
@@ -272,29 +267,25 @@ def markdown(out: dict) -> str:
              f"CPU: {out['cpu']}; {bandwidth}; {out['threads']} thread(s) for torch and CTranslate2; load average "
              f"{out['loadavg_start']} at start, {out['loadavg_end']} at end; median of {out['rounds']} alternating "
              f"rounds. Options: beam 1, temperature 0, timestamps, VAD, no previous text, English.", "",
-             "| model | recording | configuration | WER | RTF | x vs ours off | x vs faster-whisper int8 |",
-             "|---|---|---|---|---|---|---|"]
-    for model, m in out["models"].items():
-        for rname, rows in m["transcribe"].items():
-            for name, row in rows.items():
-                lines.append(f"| {model} | {rname} ({out['recordings'][rname]} s) | {name} | {row['wer']} | "
-                             f"{row['rtf_median']} | {row['x_vs_ours_off']} | {row.get('x_vs_fw_int8', '')} |")
+             *md_table(["model", "recording", "configuration", "WER", "RTF", "x vs ours off",
+                        "x vs faster-whisper int8"],
+                       [[model, f"{rname} ({out['recordings'][rname]} s)", name, row["wer"], row["rtf_median"],
+                         row["x_vs_ours_off"], row.get("x_vs_fw_int8", "")]
+                        for model, m in out["models"].items() for rname, rows in m["transcribe"].items()
+                        for name, row in rows.items()])]
     lines += ["", "Live passes (decode only; spec on drafts each pass from the previous pass):", "",
-              "| model | recording | passes | decode s off | decode s on | x on vs off | steps off / on | same tokens |",
-              "|---|---|---|---|---|---|---|---|"]
-    for model, m in out["models"].items():
-        for rname, p in m["passes"].items():
-            lines.append(f"| {model} | {rname} | {p['passes']} | {p['decode_s_off']} | {p['decode_s_on']} | "
-                         f"{p['x_on_vs_off']} | {p['steps_off']} / {p['steps_on']} | {p['identical_tokens']} |")
+              *md_table(["model", "recording", "passes", "decode s off", "decode s on", "x on vs off",
+                         "steps off / on", "same tokens"],
+                        [[model, rname, p["passes"], p["decode_s_off"], p["decode_s_on"], p["x_on_vs_off"],
+                          f"{p['steps_off']} / {p['steps_on']}", p["identical_tokens"]]
+                         for model, m in out["models"].items() for rname, p in m["passes"].items()])]
     lines += ["", "Per-step profile of one transcription (float32):", "",
-              "| model | recording | speculation | wall s | encoder s | decoder forwards s | decode host ms/step | "
-              "forward ms/step | target steps | tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for model, m in out["models"].items():
-        for rname, prof in m["profile"].items():
-            for name, p in prof.items():
-                lines.append(f"| {model} | {rname} | {name} | {p['wall_s']} | {p['encoder_s']} | "
-                             f"{p['decoder_forward_s']} | {p['decode_host_ms_per_step']} | {p['forward_ms_per_step']} "
-                             f"| {p['target_steps']} | {p['tokens']} |")
+              *md_table(["model", "recording", "speculation", "wall s", "encoder s", "decoder forwards s",
+                         "decode host ms/step", "forward ms/step", "target steps", "tokens"],
+                        [[model, rname, name, p["wall_s"], p["encoder_s"], p["decoder_forward_s"],
+                          p["decode_host_ms_per_step"], p["forward_ms_per_step"], p["target_steps"], p["tokens"]]
+                         for model, m in out["models"].items() for rname, prof in m["profile"].items()
+                         for name, p in prof.items()])]
     return "\n".join(lines) + "\n"
 
 

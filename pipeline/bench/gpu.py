@@ -1,4 +1,4 @@
-"""GPU benchmark of the engine in one script with a time budget (``python -m specstream.pipeline.bench_gpu``).
+"""GPU benchmark of the engine in one script with a time budget (``python -m specstream.pipeline.bench.gpu``).
 
 Shapes: a Llama-2-7B-shaped target (bfloat16, random weights created directly on the device) and a
 ~68M-shaped draft (Llama-68M: hidden 768, 2 layers). Measured, writing ``OUT/bench_gpu.json`` after every
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from specstream.pipeline.bench.harness import write_results
 from specstream.stages.speculative.models.config import DecoderConfig, RopeConfig
 
 LLAMA2_7B = DecoderConfig(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -125,7 +126,7 @@ def measure_step(model, device: str, prefix: int, nodes: int, repeats: int) -> f
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specstream.pipeline.bench_gpu", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m specstream.pipeline.bench.gpu", description=__doc__)
     p.add_argument("--budget-s", type=float, default=420.0, help="stop starting new sections after this")
     p.add_argument("--out", type=Path, default=Path("bench-gpu"))
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (dry run)")
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():
         result["elapsed_s"] = time.perf_counter() - t_start
-        (args.out / "bench_gpu.json").write_text(json.dumps(result, indent=2))
+        write_results(args.out, "bench_gpu", result, indent=2)
 
     def left() -> float:
         return args.budget_s - (time.perf_counter() - t_start)

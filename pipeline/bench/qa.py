@@ -34,6 +34,8 @@ import time
 import uuid
 from pathlib import Path
 
+from specstream.pipeline.bench.harness import pyplot, save_figure, write_results
+
 QUESTIONS = ("What happens in this video?", "What objects can be seen?", "Where does the scene take place?")
 
 
@@ -141,10 +143,9 @@ def kafka(args, manifest: Path, warmup: Path, work: Path, workers: int, bootstra
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     pts = res["kafka"]
     fig, ax = plt.subplots(figsize=(5, 3.2))
@@ -156,9 +157,7 @@ def plot(res: dict, path: Path) -> None:
     ax.set_xticks([p["workers"] for p in pts])
     ax.set_title("specstream qa, tiny default models")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def bench_qa_main(argv: list[str]) -> int:
@@ -211,10 +210,7 @@ def bench_qa_main(argv: list[str]) -> int:
                     res["kafka"].append(kafka(args, manifest, warmup, work, n, bootstrap))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_qa.json").write_text(json.dumps(res, indent=2) + "\n")
-    if res["kafka"]:
-        plot(res, args.out / "bench_qa.png")
+    write_results(args.out, "bench_qa", res, plot=plot if res["kafka"] else None, indent=2)
     print(json.dumps({k: v for k, v in res.items() if k != "embedded"}, indent=1))
     same = all(res["embedded"][b].get("identical_to_" + a, True)
                for a, b in (("transcript+ngram", "transcript"), ("ngram", "neither")))

@@ -17,6 +17,8 @@ import time
 import uuid
 from pathlib import Path
 
+from specstream.pipeline.bench.harness import ratio, write_json
+
 
 def _inputs(n: int) -> list[str]:
     import skimage
@@ -129,8 +131,8 @@ def bench_kafka_main(argv: list[str]) -> int:
         emb = _summary("embedded", len(paths), asyncio.run(_embedded(paths, captioner, args.max_new_tokens)))
         kaf = _summary("kafka", len(paths), asyncio.run(_kafka(paths, captioner, args.max_new_tokens, bootstrap)))
     out = {"embedded": emb, "kafka": kaf,
-           "ratio_requests_per_s": round(kaf["requests_per_s"] / emb["requests_per_s"], 3),
-           "ratio_latency_p50": round(kaf["latency_p50_s"] / emb["latency_p50_s"], 3),
+           "ratio_requests_per_s": round(ratio(kaf["requests_per_s"], emb["requests_per_s"]), 3),
+           "ratio_latency_p50": round(ratio(kaf["latency_p50_s"], emb["latency_p50_s"]), 3),
            "broker": args.broker or "tansu (in-memory, local)", "max_new_tokens": args.max_new_tokens}
     buf = io.StringIO()
     buf.write(f"{'path':<10} {'req/s':>8} {'p50 s':>8} {'p95 s':>8} {'wall s':>8}\n")
@@ -140,6 +142,5 @@ def bench_kafka_main(argv: list[str]) -> int:
     buf.write(f"kafka/embedded: throughput x{out['ratio_requests_per_s']}, p50 latency x{out['ratio_latency_p50']}\n")
     print(buf.getvalue(), end="")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        write_json(args.out, out, indent=2)
     return 0

@@ -33,7 +33,7 @@ every step drafts the configured tree: the run that compares trees with chains a
 ``hf/greedy`` in the run, outputs are compared with ``ours/no-spec`` alone (which equals HF greedy's in the full
 run).
 
-``--structured`` runs the grammar-constrained workloads instead (``pipeline/bench_structured.py``).
+``--structured`` runs the grammar-constrained workloads instead (``pipeline/bench/structured.py``).
 
 Results: ``OUT/bench_spec_real.json``, ``OUT/bench_spec_real.png`` and ``OUT/bench_spec_real.md`` (the tables;
 ``--table-from JSON`` rebuilds them without running anything); with ``--fixed-trees``,
@@ -49,6 +49,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from specstream.pipeline.bench.harness import (fmt_ratio, machine_info, md_table, pyplot, ratio, save_figure,
+                                               write_results)
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 PROMPTS = {
@@ -158,7 +161,7 @@ def run_hf(target: Path, draft: Path, ids: dict, loads: dict, configs: list[str]
     spec = {"target": str(target), "draft": str(draft), "prompt_ids": ids, "workloads": loads, "configs": configs,
             "new_tokens": new_tokens, "threads": threads, "eos": eos, "pad": pad}
     (tmp / "hf_spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "specstream.pipeline.bench_spec_real", "--hf-worker",
+    proc = subprocess.run([sys.executable, "-m", "specstream.pipeline.bench.spec_real", "--hf-worker",
                            str(tmp / "hf_spec.json"), str(tmp / "hf_out.json")], text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"the Hugging Face benchmark process failed (exit {proc.returncode})")
@@ -166,44 +169,6 @@ def run_hf(target: Path, draft: Path, ids: dict, loads: dict, configs: list[str]
 
 
 # -- ours ------------------------------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``, or ``platform.processor()`` elsewhere), with its bfloat16/AMX
-    instruction sets when it has them (``AMD EPYC (avx512_bf16)``): the benchmarks print it beside every figure."""
-    import platform
-
-    name, flags = "", ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not name:
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = f" {line.split(':', 1)[1]} "
-    except OSError:
-        pass
-    name = name or platform.processor() or "unknown"
-    extra = [f for f in ("avx512_bf16", "amx_bf16", "amx_int8") if f" {f} " in flags]
-    return f"{name} ({', '.join(extra)})" if extra else name
-
-
-def read_bandwidth(threads: int = 2, nbytes: int = 1 << 30, repeats: int = 3) -> float:
-    """Measured read bandwidth in bytes/s: the best of ``repeats`` torch sums over ``nbytes`` of float32 with
-    ``threads`` intra-op threads (what one decoding forward does to its weights)."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        x = torch.ones(nbytes // 4)
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            x.sum()
-            best = min(best, time.perf_counter() - t)
-        return nbytes / best
-    finally:
-        torch.set_num_threads(old)
 
 
 def rss_bytes() -> int:
@@ -363,8 +328,8 @@ def run(args) -> dict:
             hf = run_hf(target, draft, ids, loads, hf_names, args.max_new_tokens, args.threads, eos, pad, Path(tmp))
         results["hf_load_s"] = hf["load_s"]
         results["configs"].update(hf["configs"])
-    results["cpu"] = cpu_model()
-    results["read_bandwidth"] = read_bandwidth(args.threads)
+    machine = machine_info(args.threads)
+    results["cpu"], results["read_bandwidth"] = machine["cpu"], machine["read_bandwidth"]
     from specstream.kernels.quant import native_bf16
 
     results["native_bf16"] = native_bf16("cpu")  # without it bf16/int8/int4 kernels convert in software
@@ -426,8 +391,8 @@ def summarize(results: dict) -> None:
         for wname, rec in per.items():
             base = configs.get(same_dtype(name, "ours/no-spec"), {}).get(wname)
             assisted = configs.get("hf/assisted", {}).get(wname)
-            rec["vs_no_spec"] = rec["tok_s"] / base["tok_s"] if base and base["tok_s"] else None
-            rec["vs_hf_assisted"] = rec["tok_s"] / assisted["tok_s"] if assisted and assisted["tok_s"] else None
+            rec["vs_no_spec"] = ratio(rec["tok_s"], base["tok_s"] if base else None)
+            rec["vs_hf_assisted"] = ratio(rec["tok_s"], assisted["tok_s"] if assisted else None)
 
 
 def markdown(results: dict) -> str:
@@ -451,33 +416,28 @@ def markdown(results: dict) -> str:
         lb = results["llama_bench"]
         lines += [f"llama.cpp `llama-bench` on {lb['file']} ({lb['threads']} threads, plain decode): "
                   f"{lb['tok_s']:.2f} tokens/s.", ""]
+    header = ["configuration", "tokens/s", "tau", "vs ours/no-spec", "vs HF assisted", "vs llama.cpp",
+              "weights GiB (target+drafts)", "bound tokens/s (no-spec)", "RSS GiB", f"identical to {ref}"]
     for wname, prompts in results["workloads"].items():
-        lines += [f"**{wname}** ({', '.join(prompts)})", "",
-                  f"| configuration | tokens/s | tau | vs ours/no-spec | vs HF assisted | vs llama.cpp | "
-                  f"weights GiB (target+drafts) | bound tokens/s (no-spec) | RSS GiB | identical to {ref} |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        rows = []
         if "llama_bench" in results and len(prompts) == 1:
-            lines.append(f"| llama.cpp/plain | {results['llama_bench']['tok_s']:.2f} | – | – | – | 1.00x | – | – | – "
-                         f"| – |")
+            rows.append(["llama.cpp/plain", f"{results['llama_bench']['tok_s']:.2f}", "–", "–", "–", "1.00x", "–",
+                         "–", "–", "–"])
         for name, per in results["configs"].items():
             rec = per.get(wname)
             if rec is None:
                 continue
-
-            def ratio(x):
-                return f"{x:.2f}x" if x is not None else "–"
-
             tau = f"{rec['tau']:.2f}" if "tau" in rec else "–"
             same = {True: "yes", False: "**no**", None: "–"}[rec.get("identical")]
             lb = results.get("llama_bench", {}).get("tok_s")
-            vs_lb = ratio(rec["tok_s"] / lb) if lb and len(prompts) == 1 else "–"
+            vs_lb = fmt_ratio(rec["tok_s"] / lb) if lb and len(prompts) == 1 else "–"
             gib = (f"{(rec['target_weight_bytes'] + rec['draft_weight_bytes']) / 2**30:.2f}"
                    if "target_weight_bytes" in rec else "–")
             bound = f"{rec['no_spec_bound_tok_s']:.2f}" if "no_spec_bound_tok_s" in rec else "–"
             rss = f"{rec['rss_bytes'] / 2**30:.2f}" if rec.get("rss_bytes") else "–"
-            lines.append(f"| {name} | {rec['tok_s']:.2f} | {tau} | {ratio(rec['vs_no_spec'])} | "
-                         f"{ratio(rec['vs_hf_assisted'])} | {vs_lb} | {gib} | {bound} | {rss} | {same} |")
-        lines.append("")
+            rows.append([name, f"{rec['tok_s']:.2f}", tau, fmt_ratio(rec["vs_no_spec"]),
+                         fmt_ratio(rec["vs_hf_assisted"]), vs_lb, gib, bound, rss, same])
+        lines += [f"**{wname}** ({', '.join(prompts)})", "", *md_table(header, rows), ""]
     host = results.get("host_time")
     if host:
         lines.append(f"Host time per step at batch {host['batch']} with {host['nodes']}-node trees: "
@@ -487,13 +447,8 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install 'specstream[bench]')", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     loads = list(results["workloads"])
     names = list(results["configs"])
@@ -508,17 +463,12 @@ def plot(results: dict, path: Path) -> None:
     ax.set_ylabel("tokens/s (decode, float32)")
     ax.set_title(f"Qwen2.5-Coder 1.5B/0.5B, {results['threads']} threads, {results['new_tokens']} new tokens")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def write(results: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     stem = "bench_spec_real" if results.get("adaptive", True) else "bench_spec_real_fixed"
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    (out / f"{stem}.md").write_text(markdown(results))
-    plot(results, out / f"{stem}.png")
+    write_results(out, stem, results, markdown=markdown(results), plot=plot, indent=1)
 
 
 def main(args) -> int:
@@ -572,7 +522,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="--real: no fetch/convert progress bars")
     parser.add_argument("--structured", action="store_true",
                         help="--real: JSON-schema workloads (a code-review object, a caption-like object), "
-                             "constrained + speculative vs constrained alone (pipeline/bench_structured.py)")
+                             "constrained + speculative vs constrained alone (pipeline/bench/structured.py)")
     parser.add_argument("--table-from", type=Path, default=None,
                         help="--real: print the markdown tables of an earlier results JSON and exit")
 

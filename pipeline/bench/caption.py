@@ -13,6 +13,8 @@ import io
 import json
 from pathlib import Path
 
+from specstream.pipeline.bench.harness import write_results
+
 
 def default_inputs() -> list[str]:
     import os
@@ -96,15 +98,14 @@ def main(argv: list[str]) -> int:
                    help="directory for bench_caption.json (default docs/bench)")
     args = p.parse_args(argv)
     res = run(args.inputs or default_inputs(), args.max_new_tokens, args.target, args.draft)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_caption.json").write_text(json.dumps(res, indent=2))
+    write_results(args.out, "bench_caption", res, indent=2)
     print(json.dumps(res["configs"], indent=1))
     return 0 if all(c["identical_to_no_speculation"] for c in res["configs"].values()) else 1
 
 
 def keyframes_main(argv: list[str]) -> int:
     """``specstream bench keyframes [FILE] [--out JSON] [--repeats N]``."""
-    from specstream.pipeline.bench_keyframes import run_keyframes_bench
+    from specstream.pipeline.bench.keyframes import run_keyframes_bench
 
     p = argparse.ArgumentParser(prog="specstream bench keyframes",
                                 description="Keyframe selection speed against bare decoding of the same video "
