@@ -107,7 +107,7 @@ class KafkaSettings(BaseSettings):
     clip_pretrained: str | None = Field(None, description="local weights file of clip_model")
     num_slots: int = 8
     device: str = "cpu"
-    dtype: str = Field("float32", description="weight precision: float32, bfloat16, int8, int4, int4-g64")
+    dtype: str = Field("float32", description="weight precision: float32, bfloat16, int8, int4, int4-g64, auto")
     draft_dtype: str | None = Field(None, description="weight precision of the drafts (default: dtype)")
 
     @field_validator("dtype", "draft_dtype")
@@ -115,7 +115,9 @@ class KafkaSettings(BaseSettings):
     def _weight_precision(cls, v: str | None) -> str | None:
         from specstream.kernels.quant import parse_weight_format
 
-        return None if v is None else parse_weight_format(v).label  # ValueError names the precisions
+        if v is None or v == "auto":
+            return v
+        return parse_weight_format(v).label  # ValueError names the precisions
 
     @field_validator("bootstrap")
     @classmethod

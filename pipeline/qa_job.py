@@ -528,11 +528,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=2, help="videos in flight (embedded)")
     p.add_argument("--num-slots", type=int, default=8, help="answers decoded together in one batch (default 8)")
     p.add_argument("--dtype", default="float32",
-                   help="weight precision of the VLM / text model: float32, bfloat16, int8, int4, int4-g64 "
-                        "(default float32)")
+                   help="weight precision of the VLM / text model: float32, bfloat16, int8, int4, int4-g64, "
+                        "auto (default float32)")
     p.add_argument("--draft-dtype", default=None, help="weight precision of the drafts (default: --dtype)")
     p.add_argument("--speech-dtype", default=None,
-                   help="weight precision of the Whisper model: float32, bfloat16, int8, int4 (default: --dtype)")
+                   help="weight precision of the Whisper model: float32, bfloat16, int8, int4, auto (default: --dtype)")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (default cpu)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="--broker: give up after this long without a "
                                                                   "result (default 600)")

@@ -147,7 +147,7 @@ class ServerSettings(BaseSettings):
     def _weight_precision(cls, v: str) -> str:
         from specstream.kernels.quant import parse_weight_format
 
-        return parse_weight_format(v).label  # ValueError names the precisions
+        return v if v == "auto" else parse_weight_format(v).label  # ValueError names the precisions
 
 
 class CaptionResponse(BaseModel):
@@ -767,9 +767,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "SPECSTREAM_MAX_DECODED_BYTES)")
     parser.add_argument("--caption-dtype", default=None,
                         help="weight precision of the caption VLM and its draft: float32, bfloat16, int8, int4, "
-                             "int4-g64 (SPECSTREAM_CAPTION_DTYPE; default float32)")
+                             "int4-g64, auto (SPECSTREAM_CAPTION_DTYPE; default float32)")
     parser.add_argument("--speech-dtype", default=None,
-                        help="weight precision of Whisper: float32, bfloat16, int8, int4 (SPECSTREAM_SPEECH_DTYPE)")
+                        help="weight precision of Whisper: float32, bfloat16, int8, int4, auto (SPECSTREAM_SPEECH_DTYPE)")
     parser.add_argument("--log-level", default="info",
                         help="uvicorn log level: debug, info, warning, error (default info)")
     return parser

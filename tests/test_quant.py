@@ -225,3 +225,37 @@ def test_quantized_dtypes_run_on_a_cpu_without_native_bf16(monkeypatch):
     for name in ("bfloat16", "int8", "int4", "int4-g64"):
         assert weight_format(name).label == name
     assert quant.available_weight_dtypes("cpu") == ["float32", "bfloat16", "int8", "int4", "int4-g64"]
+
+
+@pytest.mark.parametrize("native,expected", [(True, "int4"), (False, "int8")], ids=["native-bf16", "avx2"])
+def test_auto_dtype_loads_the_fastest_precision_of_this_cpu(tiny, monkeypatch, native, expected):
+    """``--dtype auto``: int4 where bf16 is native (its kernel keeps up with its quarter of the bytes), int8 on
+    an AVX2-only CPU (where int4 decoded at half int8's speed), the next available when one is disabled; the
+    loaded model holds the resolved precision's packed layers."""
+    from specstream.kernels import quant
+    from specstream.stages.speculative.models.dtypes import auto_weight_dtype
+
+    monkeypatch.setattr(quant, "_AVAILABLE", {})
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
+    assert auto_weight_dtype("cpu") == expected
+    assert weight_format("auto").label == expected and weight_format("AUTO").label == expected
+    model = load_decoder(tiny.qwen, "auto")
+    kind = quant.Int4Linear if expected == "int4" else quant.Int8Linear
+    assert any(isinstance(m, kind) for m in model.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    monkeypatch.setenv("SPECSTREAM_DISABLE_DTYPES", "int4,int8")
+    assert auto_weight_dtype("cpu") == "bfloat16"
+    monkeypatch.setenv("SPECSTREAM_DISABLE_DTYPES", "int4,int8,bfloat16")
+    assert weight_format("auto").label == "float32"
+
+
+def test_auto_dtype_is_accepted_where_precisions_are_validated():
+    """The server's settings and the Kafka worker's keep ``auto`` (resolved where the model loads)."""
+    from specstream.pipeline.kafka import KafkaSettings
+    from specstream.pipeline.server import ServerSettings
+
+    s = ServerSettings(caption_dtype="auto", speech_dtype="auto")
+    assert (s.caption_dtype, s.speech_dtype) == ("auto", "auto")
+    assert KafkaSettings(dtype="auto").dtype == "auto"
+    with pytest.raises(ValueError):
+        ServerSettings(caption_dtype="int3")

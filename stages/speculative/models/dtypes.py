@@ -24,9 +24,36 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
 
 
+AUTO = "auto"
+
+
+def auto_weight_dtype(device: str | torch.device = "cpu") -> str:
+    """The precision ``--dtype auto`` loads on ``device``: the one that decodes fastest there, among those it runs.
+
+    - CUDA: ``bfloat16``.
+    - A CPU with bfloat16 in hardware (AVX-512 bf16 or AMX, :func:`~specstream.kernels.quant.native_bf16`):
+      ``int4`` (groups of 32). Its packed kernel reads a quarter of int8's bytes per weight and, with native bf16,
+      keeps up with them (kernel probe in docs/models.md).
+    - Any other CPU (AVX2): ``int8``. Without native bf16 the int4 kernel converts in software and is
+      compute-bound: measured on an AVX2 EPYC it decoded the real 1.5B target at about half int8's speed
+      (docs/benchmarks.md, "Exactness at int4/int8").
+
+    A precision this machine cannot run (or that ``SPECSTREAM_DISABLE_DTYPES`` disables) is skipped for the next of
+    int8, bfloat16, float32.
+    """
+    from specstream.kernels.quant import available_weight_dtypes, native_bf16
+
+    dev = torch.device(device)
+    first = "bfloat16" if dev.type == "cuda" else ("int4" if native_bf16(dev) else "int8")
+    disabled = {d.strip() for d in os.environ.get("SPECSTREAM_DISABLE_DTYPES", "").split(",") if d.strip()}
+    available = [d for d in available_weight_dtypes(dev) if d not in disabled]
+    return next((d for d in (first, "int8", "bfloat16", "float32") if d in available), "float32")
+
+
 def weight_format(name: str | torch.dtype, device: str | torch.device = "cpu"):
-    """Parse and check a weight precision (``--dtype``): float32, bfloat16, int8, int4 (groups of 32) or
-    int4-g64, as a :class:`~specstream.kernels.quant.WeightFormat`.
+    """Parse and check a weight precision (``--dtype``): float32, bfloat16, int8, int4 (groups of 32),
+    int4-g64, or ``auto`` (:func:`auto_weight_dtype`: the fastest for ``device``), as a
+    :class:`~specstream.kernels.quant.WeightFormat`.
 
     Raises:
         UnsupportedDtypeError: an unknown name, or one ``device`` cannot run (no packed kernel, no bfloat16
@@ -38,6 +65,8 @@ def weight_format(name: str | torch.dtype, device: str | torch.device = "cpu"):
 
     if isinstance(name, torch.dtype):
         name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(name, str(name))
+    if str(name).strip().lower() == AUTO:
+        name = auto_weight_dtype(device)
     disabled = {d.strip() for d in os.environ.get("SPECSTREAM_DISABLE_DTYPES", "").split(",") if d.strip()}
     available = [d for d in available_weight_dtypes(device) if d not in disabled]
     try:

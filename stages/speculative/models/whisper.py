@@ -449,8 +449,10 @@ def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str) 
         UnsupportedDtypeError: a precision ``device`` cannot run; QuantKernelError: a packed kernel disagrees with
             its float reference.
     """
-    from specstream.stages.speculative.models.dtypes import parse_dtype, weight_format
+    from specstream.stages.speculative.models.dtypes import AUTO, auto_weight_dtype, parse_dtype, weight_format
 
+    if dtype == AUTO:
+        dtype = auto_weight_dtype(device)
     if dtype in ("int8", "int4") or (isinstance(dtype, str) and dtype.startswith("int4-")):
         from specstream.kernels.quant import quantize_linears
 
