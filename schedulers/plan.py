@@ -2,6 +2,10 @@
 
 ``Scheduler.schedule() -> StepPlan`` decides; ``Executor.execute(plan) -> StepOutput`` runs tensors;
 ``Scheduler.update(output)`` books the results (vLLM's ``EngineCore.step``). Nothing here holds a tensor.
+
+The scheduler's :class:`Request` is mutable scheduler state and never leaves the scheduler: a runner learns of a
+request once, from the frozen :class:`RequestSpec` in :attr:`StepPlan.admitted` (again after a preemption, with
+its committed tokens), and each step's work items carry ids and per-step numbers only.
 """
 
 from __future__ import annotations

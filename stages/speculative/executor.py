@@ -477,6 +477,9 @@ class SpeculativeExecutor:
             compiled = compile_trees(trees, self.target.device, self.target.config.vocab_size)
             for j, (work, tree) in enumerate(zip(decodes, trees)):
                 st = self.states[work.request_id]
+                if len(st.context) != work.context_len:
+                    raise ValueError(f"decode of {work.request_id!r}: the plan has a context of {work.context_len} "
+                                     f"tokens, the executor's record {len(st.context)}")
                 rows.append(_Row(st, work, work.slot, self.cache.lengths[work.slot], tree.tokens, tree, j))
         results = self._run_rows(rows, compiled, forks)
         verify_s = time.perf_counter() - t_verify
