@@ -75,7 +75,7 @@ def measure_decoder(quick: bool) -> dict:
             for n in nodes_list:
                 for rep in range(3):
                     step += 1
-                    decodes = tuple(DecodeWork(r, r.slot, n, n - 1) for r in reqs[:b])
+                    decodes = tuple(DecodeWork.of(r, r.slot, n, n - 1) for r in reqs[:b])
                     plan = StepPlan(step, (), decodes)
                     out = ex.execute(plan)
                     sched.update(out)

@@ -14,7 +14,9 @@ import time
 from collections.abc import Callable
 
 from specstream.schedulers.fifo import FifoScheduler
-from specstream.schedulers.plan import EncodeWork, Request, StepOutput, StepPlan
+from dataclasses import replace
+
+from specstream.schedulers.plan import EncodeWork, Request, StepOutput, StepPlan, admissions
 
 
 class FifoEncodeScheduler(FifoScheduler):
@@ -73,7 +75,9 @@ class FifoEncodeScheduler(FifoScheduler):
             saved, self.waiting = self.waiting, type(self.waiting)()
             plan = super().schedule()
             self.waiting = saved
-        plan = StepPlan(plan.step, plan.prefills, plan.decodes, plan.released, encodes, plan.preempted, plan.forks)
+        plan = StepPlan(plan.step, plan.prefills, plan.decodes, plan.released, encodes, plan.preempted, plan.forks,
+                        plan.admitted)
+        plan = replace(plan, admitted=plan.admitted + admissions(self.requests, plan))
         held = sum(len(r.context) for r in self.running.values())
         kv = (held + plan.num_nodes) / (self.num_slots * self.max_len)
         self.peak_kv_fraction = max(self.peak_kv_fraction, kv)

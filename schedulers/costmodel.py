@@ -95,13 +95,13 @@ class CostModel:
         """Latency of ``plan``: encoder batches, then per model of the device loop its draft and its target
         forward (one forward per model with rows in the step)."""
         total = sum(self.encode_s(w.modality, [it.units for _, it in w.items]) for w in plan.encodes)
-        names = {p.request.model for p in plan.prefills} | {d.request.model for d in plan.decodes}
+        names = {p.model for p in plan.prefills} | {d.model for d in plan.decodes}
         for name in sorted(names):
             cost = self.models.get(name, self)
-            pre = [p for p in plan.prefills if p.request.model == name]
-            dec = [d for d in plan.decodes if d.request.model == name]
+            pre = [p for p in plan.prefills if p.model == name]
+            dec = [d for d in plan.decodes if d.model == name]
             tokens = sum(p.num_tokens for p in pre) + sum(d.node_budget for d in dec)
-            kv = sum(len(d.request.context) for d in dec)
+            kv = sum(d.context_len for d in dec)
             spec = [d for d in dec if d.node_budget > 1 and d.max_depth > 0]
             depth = max((min(d.max_depth, d.node_budget - 1) for d in spec), default=0)
             total += cost.draft_s(depth, sum(d.node_budget - 1 for d in spec))

@@ -10,7 +10,10 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from dataclasses import replace
+
 from specstream.schedulers.plan import (
+    admissions,
     book_step_result,
     DecodeWork,
     ForkWork,
@@ -72,7 +75,7 @@ class FifoScheduler:
             room = self.max_len - len(req.context) + 1  # cache columns left for the root and its tree
             nodes = max(1, min(nodes, room, budget - (len(self.running) - len(decodes) - 1)))
             depth = max(0, min(req.remaining - 1, self.max_tree_depth, room - 1))
-            decodes.append(DecodeWork(req, req.slot, nodes, depth))
+            decodes.append(DecodeWork.of(req, req.slot, nodes, depth))
             budget -= nodes
         prefills, forks = [], []
         while self.waiting and self.free_slots:
@@ -82,11 +85,12 @@ class FifoScheduler:
             self.waiting.popleft()
             req.slot = self.free_slots.pop()
             req.status = RequestStatus.RUNNING
-            prefills.append(PrefillWork(req, req.slot))
+            prefills.append(PrefillWork.of(req, req.slot))
             budget -= len(req.prompt_ids)
             forks.extend(self._forks_of(req))
         released, self._released = tuple(self._released), []
-        return StepPlan(self._step, tuple(prefills), tuple(decodes), released, forks=tuple(forks))
+        plan = StepPlan(self._step, tuple(prefills), tuple(decodes), released, forks=tuple(forks))
+        return replace(plan, admitted=admissions(self.requests, plan))
 
     def _forks_of(self, source: Request) -> list[ForkWork]:
         """Waiting requests that fork from ``source`` (:attr:`Request.fork_of`, same prompt), while slots are
@@ -100,7 +104,7 @@ class FifoScheduler:
             self.waiting.remove(child)
             child.slot = self.free_slots.pop()
             child.status = RequestStatus.RUNNING
-            out.append(ForkWork(child, child.slot, source.request_id))
+            out.append(ForkWork.of(child, child.slot, source.request_id))
         return out
 
     # -- booking --------------------------------------------------------------------------------------------

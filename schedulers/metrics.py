@@ -55,11 +55,11 @@ class SchedulerMetrics:
         rows: dict[str, int] = {}
         tokens: dict[str, int] = {}
         for p in plan.prefills:
-            m = p.request.model
+            m = p.model
             rows[m] = rows.get(m, 0) + 1
             tokens[m] = tokens.get(m, 0) + p.num_tokens
         for d in plan.decodes:
-            m = d.request.model
+            m = d.model
             rows[m] = rows.get(m, 0) + 1
             tokens[m] = tokens.get(m, 0) + d.node_budget
         for m, n in rows.items():

@@ -2,6 +2,10 @@
 
 ``Scheduler.schedule() -> StepPlan`` decides; ``Executor.execute(plan) -> StepOutput`` runs tensors;
 ``Scheduler.update(output)`` books the results (vLLM's ``EngineCore.step``). Nothing here holds a tensor.
+
+The scheduler's :class:`Request` is mutable scheduler state and never leaves the scheduler: a runner learns of a
+request once, from the frozen :class:`RequestSpec` in :attr:`StepPlan.admitted` (again after a preemption, with
+its committed tokens), and each step's work items carry ids and per-step numbers only.
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ class Request:
             them is exported per committed token (``RequestStepResult.visual_attention``).
         encodes: media to encode before the prefill (QoS scheduler; the FIFO scheduler ignores it).
         preemptions: times the request lost its KV cache to a higher class or memory pressure; it then waits,
-            and resumes by prefilling ``prompt_ids + output_ids`` (:attr:`PrefillWork.tokens`).
+            and resumes by prefilling ``prompt_ids + output_ids`` (re-sent as :attr:`RequestSpec.committed`).
         logits_processors: per-request rules applied to every verified logits row along that row's own token
             path, before argmax / sampling (:mod:`specstream.stages.speculative.logits`; objects, no tensors).
         model: the model runner of the device loop that serves the request (``"default"`` in a one-model engine).
@@ -175,6 +179,7 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     preemptions: int = 0
     prefilled: int = 0  # context tokens in the KV cache (a chunked prefill advances it step by step)
+    spec_sent: bool = False  # the runner holds this request's RequestSpec (False again after a preemption)
     _joined_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -217,47 +222,123 @@ class Request:
 
 
 @dataclass(frozen=True)
-class PrefillWork:
-    """Prefill context positions ``[start, start + num_tokens)`` of ``request`` into ``slot``.
+class RequestSpec:
+    """What a runner knows of a request: an immutable copy of the scheduler's :class:`Request` minus its state,
+    sent once, in :attr:`StepPlan.admitted`, in the first plan that gives the runner work for it (an encode, a
+    prefill chunk or a fork), and again when it resumes after a preemption (then :attr:`committed` holds the
+    tokens it had committed). The runner keeps its own committed-token list from there on (it commits the
+    tokens); the scheduler books the same tokens from the step results into its ``Request``. Runners never see
+    the scheduler's ``Request``.
 
-    The context is the prompt; for a request resuming after preemption it is the prompt plus the tokens committed
-    before it lost its KV cache (recompute), so the resumed output continues unchanged. A long prefill is split
-    into chunks over several steps (vLLM's chunked prefill): each chunk attends the chunks before it, already in
-    the cache; only the :attr:`final` chunk yields the next token.
+    Attributes: as :class:`Request`'s of the same name (lists made tuples), plus
+        committed: the tokens committed before this admission (empty for a new request; a resumed one's output so
+            far: its prefill context is ``prompt_ids + committed``).
     """
 
-    request: Request
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    speculate: bool = True
+    qos: str = "interactive"
+    model: str = "default"
+    draft_prompt_ids: tuple[int, ...] | None = None
+    visual_span: tuple[int, int] | None = None
+    logits_processors: tuple = ()
+    logprobs: bool = False
+    draft_hypothesis: tuple[int, ...] | None = None
+    mm_inputs: tuple[MMInput, ...] = ()
+    fork_of: str | None = None
+    committed: tuple[int, ...] = ()
+
+    @staticmethod
+    def of(req: Request) -> "RequestSpec":
+        """The spec of ``req`` as it stands (its committed tokens included): O(context), once per admission."""
+        return RequestSpec(
+            req.request_id, tuple(req.prompt_ids), req.max_new_tokens, req.sampling, tuple(req.eos_token_ids),
+            req.speculate, req.qos, req.model,
+            None if req.draft_prompt_ids is None else tuple(req.draft_prompt_ids),
+            None if req.visual_span is None else tuple(req.visual_span), tuple(req.logits_processors),
+            req.logprobs, None if req.draft_hypothesis is None else tuple(req.draft_hypothesis),
+            tuple(req.mm_inputs), req.fork_of, tuple(req.output_ids))
+
+
+def admissions(requests, plan: "StepPlan") -> tuple[RequestSpec, ...]:
+    """The specs of the requests ``plan``'s work names (:meth:`StepPlan.request_ids`, in order, each once) whose
+    runner does not hold one yet (:attr:`Request.spec_sent` False: new, or preempted since); marks them sent.
+    Every scheduler builds :attr:`StepPlan.admitted` with it.
+
+    The requests that fork from a source whose final prefill chunk is in ``plan`` (:attr:`Request.fork_of`) are
+    admitted with it too, with or without a :class:`ForkWork` of their own: the runner hands each the source's
+    prompt embeddings at that chunk, and one that found no slot prefills itself with them later."""
+    out = []
+
+    def add(req):
+        if req is not None and not req.spec_sent and req.status is not RequestStatus.FINISHED:
+            req.spec_sent = True
+            out.append(RequestSpec.of(req))
+
+    for rid in plan.request_ids():
+        add(requests.get(rid))
+    sources = {p.request_id for p in plan.prefills if p.final}
+    if sources:
+        for req in list(requests.values()):
+            if req.fork_of in sources:
+                add(req)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """Prefill context positions ``[start, start + num_tokens)`` of request ``request_id`` into ``slot``.
+
+    The context is the prompt; for a request resuming after preemption it is the prompt plus the tokens committed
+    before it lost its KV cache (recompute: :attr:`RequestSpec.committed` of its new admission), so the resumed
+    output continues unchanged. A long prefill is split into chunks over several steps (vLLM's chunked prefill):
+    each chunk attends the chunks before it, already in the cache; only the :attr:`final` chunk yields the next
+    token. ``context_len`` is the whole context's length (the runner checks its own record against it).
+    """
+
+    request_id: str
     slot: int
-    num_tokens: int = -1  # tokens to prefill; set from the request's context when the plan is made
+    num_tokens: int
     start: int = 0
+    context_len: int = 0
+    model: str = "default"
 
-    def __post_init__(self):
-        if self.num_tokens < 0:
-            object.__setattr__(self, "num_tokens", len(self.request.context) - self.start)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.context[self.start: self.start + self.num_tokens]
+    @staticmethod
+    def of(req: Request, slot: int, num_tokens: int = -1, start: int = 0) -> "PrefillWork":
+        """The chunk ``[start, start + num_tokens)`` of ``req``'s context (``num_tokens`` -1: to its end)."""
+        n = len(req.prompt_ids) + len(req.output_ids)
+        return PrefillWork(req.request_id, slot, n - start if num_tokens < 0 else num_tokens, start, n, req.model)
 
     @property
     def final(self) -> bool:
         """True when this chunk ends the context (its last row yields the first new token)."""
-        return self.start + self.num_tokens >= len(self.request.context)
+        return self.start + self.num_tokens >= self.context_len
 
 
 @dataclass(frozen=True)
 class ForkWork:
-    """``request`` starts as a copy of ``source`` (the id of a request whose final prefill chunk is in the same
-    plan): after that chunk's forward the executor copies the source slot's KV cache (columns ``[0, prompt)``)
-    into ``slot`` and samples the fork's first token from the source's last prompt row with the fork's own
-    random stream. The fork's prompt is never run through the target: ``n`` choices cost one prefill (the idea of
-    vLLM's parallel sampling, whose choices share the prompt's KV blocks, and of SGLang's ``fork``; here slots are
-    static, so the prompt columns are copied once, on the device).
+    """Request ``request_id`` starts as a copy of ``source`` (the id of a request whose final prefill chunk is in
+    the same plan): after that chunk's forward the executor copies the source slot's KV cache (columns
+    ``[0, prompt)``) into ``slot`` and samples the fork's first token from the source's last prompt row with the
+    fork's own random stream. The fork's prompt is never run through the target: ``n`` choices cost one prefill
+    (the idea of vLLM's parallel sampling, whose choices share the prompt's KV blocks, and of SGLang's ``fork``;
+    here slots are static, so the prompt columns are copied once, on the device). ``context_len``: the fork's
+    context (its prompt), which must be what the source prefilled.
     """
 
-    request: Request
+    request_id: str
     slot: int
     source: str
+    context_len: int = 0
+    model: str = "default"
+
+    @staticmethod
+    def of(req: Request, slot: int, source: str) -> "ForkWork":
+        return ForkWork(req.request_id, slot, source, len(req.prompt_ids) + len(req.output_ids), req.model)
 
 
 @dataclass(frozen=True)
@@ -279,13 +360,22 @@ class EncodeWork:
 
 @dataclass(frozen=True)
 class DecodeWork:
-    """One speculative step for ``request``: a tree of at most ``node_budget`` nodes (root included) and
-    draft depth at most ``max_depth``; ``node_budget == 1`` means plain decoding (root only)."""
+    """One speculative step for request ``request_id``: a tree of at most ``node_budget`` nodes (root included) and
+    draft depth at most ``max_depth``; ``node_budget == 1`` means plain decoding (root only). ``context_len``:
+    the request's context (prompt + committed tokens) as the scheduler booked it when planning (the cost model's
+    KV read)."""
 
-    request: Request
+    request_id: str
     slot: int
     node_budget: int
     max_depth: int
+    context_len: int = 0
+    model: str = "default"
+
+    @staticmethod
+    def of(req: Request, slot: int, node_budget: int, max_depth: int) -> "DecodeWork":
+        return DecodeWork(req.request_id, slot, node_budget, max_depth, len(req.prompt_ids) + len(req.output_ids),
+                          req.model)
 
 
 @dataclass(frozen=True)
@@ -345,6 +435,9 @@ class StepPlan:
     streams, adaptive tree budgets and prefix embeddings. The executor handles both before anything else.
     ``forks`` start from the KV cache and the last logits row of a final prefill chunk of ``prefills``; each
     gets a :class:`RequestStepResult` of its own (``is_prefill``: its first token).
+
+    ``admitted`` holds a :class:`RequestSpec` for each request the plan's work names for the first time (or the
+    first time since a preemption); the work items themselves carry ids and per-step numbers only.
     """
 
     step: int
@@ -354,6 +447,7 @@ class StepPlan:
     encodes: tuple[EncodeWork, ...] = ()
     preempted: tuple[SlotRelease, ...] = ()  # preempted: their KV cache must be freed
     forks: tuple[ForkWork, ...] = ()  # requests that copy the prompt of a prefill of this plan (its final chunk)
+    admitted: tuple[RequestSpec, ...] = ()  # specs of the requests new to the runner (handled first)
 
     @property
     def empty(self) -> bool:
@@ -361,7 +455,13 @@ class StepPlan:
 
     @property
     def num_nodes(self) -> int:
-        return sum(len(p.tokens) for p in self.prefills) + sum(d.node_budget for d in self.decodes)
+        return sum(p.num_tokens for p in self.prefills) + sum(d.node_budget for d in self.decodes)
+
+    def request_ids(self) -> list[str]:
+        """Ids of the requests the plan's work names (encodes, prefills, forks, decodes), in that order, with
+        repeats: what :func:`admissions` takes."""
+        return ([rid for w in self.encodes for rid, _ in w.items] + [p.request_id for p in self.prefills]
+                + [f.request_id for f in self.forks] + [d.request_id for d in self.decodes])
 
 
 @dataclass(frozen=True)

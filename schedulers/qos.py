@@ -51,12 +51,13 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specstream.errors import CapacityError, InvalidRequestError, ModelNotLoadedError
 from specstream.schedulers.costmodel import StepCostFit
 from specstream.schedulers.metrics import SchedulerMetrics
 from specstream.schedulers.plan import (
+    admissions,
     QOS_CLASSES,
     DecodeWork,
     EncodeItem,
@@ -500,11 +501,12 @@ class QosScheduler:
         budget -= self._grow_trees(inter, nodes, budget - reserve, self._mem_left(nodes, prefills, forks))
         self._grow_trees([r for r in order if self._is_batch_work(r, now)], nodes, budget,
                          self._mem_left(nodes, prefills, forks))
-        decodes = tuple(DecodeWork(r, r.slot, nodes[r.request_id], self._depth(r, nodes[r.request_id]))
+        decodes = tuple(DecodeWork.of(r, r.slot, nodes[r.request_id], self._depth(r, nodes[r.request_id]))
                         for r in order)
         released, self._released = tuple(self._released), []
         preempted, self._preempted = tuple(self._preempted), []
         plan = StepPlan(self._step, tuple(prefills), decodes, released, encodes, preempted, forks)
+        plan = replace(plan, admitted=admissions(self.requests, plan))
         kv = self.kv_fraction(plan)
         self.peak_kv_fraction = max(self.peak_kv_fraction, kv)
         if self.metrics:
@@ -530,9 +532,10 @@ class QosScheduler:
         held = self._held()
         if plan is None:
             return held
-        return held + sum(d.node_budget * self._unit(d.request) for d in plan.decodes) + sum(
-            p.num_tokens * self._unit(p.request) for p in plan.prefills) + sum(
-            len(f.request.context) * self._unit(f.request) for f in plan.forks)
+        unit = lambda rid: self._unit(self.requests[rid])  # noqa: E731
+        return held + sum(d.node_budget * unit(d.request_id) for d in plan.decodes) + sum(
+            p.num_tokens * unit(p.request_id) for p in plan.prefills) + sum(
+            f.context_len * unit(f.request_id) for f in plan.forks)
 
     def kv_fraction(self, plan: StepPlan | None = None) -> float:
         return self.kv_tokens(plan) / self.kv_budget
@@ -541,8 +544,8 @@ class QosScheduler:
         """Memory units left after holding, the planned tree nodes, the planned prefill chunks and the prompts
         copied into the planned forks' slots (a fork holds no cached tokens until the step's copy)."""
         used = self._held() + sum(n * self._unit(self.requests[rid]) for rid, n in nodes.items()) + sum(
-            p.num_tokens * self._unit(p.request) for p in prefills) + sum(
-            len(f.request.context) * self._unit(f.request) for f in forks)
+            p.num_tokens * self._unit(self.requests[p.request_id]) for p in prefills) + sum(
+            f.context_len * self._unit(self.requests[f.request_id]) for f in forks)
         return max(0, self.kv_budget - used)
 
     def _room(self, req: Request) -> int:
@@ -698,13 +701,13 @@ class QosScheduler:
                         continue
                     break
                 self._admit(req, now)
-            prefills.append(PrefillWork(req, req.slot, n, start))
+            prefills.append(PrefillWork.of(req, req.slot, n, start))
             meta.planned = start + n
             budget -= n * self._cost(req)
             growth += n * self._unit(req)
             if meta.planned >= len(req.context):
                 growth += self._plan_forks(req, forks, growth, now)
-                forked.update(fw.request.request_id for fw in forks)
+                forked.update(fw.request_id for fw in forks)
             if req.qos != "realtime":
                 guarded += n
                 spent_s += n * self.prefill_s_per_token.get(req.model, 0.0)
@@ -729,7 +732,7 @@ class QosScheduler:
                 continue  # no slot or no room: it prefills itself (the executor shares the prompt embeddings)
             self._admit(child, now)
             meta.planned = len(child.context)
-            forks.append(ForkWork(child, child.slot, source.request_id))
+            forks.append(ForkWork.of(child, child.slot, source.request_id))
             held += len(child.context) * self._unit(child)
         return held
 
@@ -812,6 +815,7 @@ class QosScheduler:
         req.slot = None
         req.status = RequestStatus.WAITING
         req.preemptions += 1
+        req.spec_sent = False  # the runner frees its cache: the resume sends the spec again, with the output so far
         self._queued[req.request_id] = req
         meta = self._meta[req.request_id]
         meta.wait_since = now

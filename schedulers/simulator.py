@@ -37,6 +37,7 @@ from specstream.schedulers.plan import (
     EncodeItem,
     EncodeResult,
     Request,
+    RequestSpec,
     RequestStepResult,
     StepOutput,
     StepPlan,
@@ -175,6 +176,10 @@ class SimExecutor:
         self.adaptive = adaptive
         self._carry: dict[str, float] = {}
         self._budgets: dict = {}
+        #: per admitted request: its spec (:attr:`StepPlan.admitted`) and the tokens committed so far (this
+        #: runner's own count; the scheduler's ``Request`` is never read)
+        self._specs: dict[str, RequestSpec] = {}
+        self._committed: dict[str, int] = {}
         self.lengths: dict[int, int] = {}
         self.peak_kv_tokens = 0
         #: nodes of the tree cut after each depth, root included (what the gate's cuts keep)
@@ -197,8 +202,8 @@ class SimExecutor:
         """``plan`` with its trees cut by the gate (small trees until both costs were measured)."""
         if self.gate is None or not plan.decodes:
             return plan
-        rows = [(w.node_budget if w.request.speculate else 1, w.max_depth,
-                 self._budget(w.request.request_id).observed_alpha) for w in plan.decodes]
+        rows = [(w.node_budget if self._specs[w.request_id].speculate else 1, w.max_depth,
+                 self._budget(w.request_id).observed_alpha) for w in plan.decodes]
         if self._verify_line is None or self._level_s is None:
             choice = self.gate.warmup(rows, self.depth_nodes)
         else:
@@ -213,14 +218,15 @@ class SimExecutor:
         if not rows:
             return
         tokens = plan.num_nodes
-        kv = sum(len(d.request.context) for d in plan.decodes)
+        kv = sum(d.context_len for d in plan.decodes)
         self.verify_fit.observe(tokens, self.cost.target_s(rows, tokens, kv))
         line = self.verify_fit.line()
         if line is not None:
             self._verify_line = line
         elif self._verify_line is None:  # no slope yet (or none: a memory-bound forward): flat, the mean step
             self._verify_line = (self.verify_fit.mean_s(), 0.0)
-        spec = [d for d in plan.decodes if d.node_budget > 1 and d.max_depth > 0 and d.request.speculate]
+        spec = [d for d in plan.decodes
+                if d.node_budget > 1 and d.max_depth > 0 and self._specs[d.request_id].speculate]
         if spec:
             depth = max(tree_shape(self.tree_widths, d.node_budget, d.max_depth)[1] for d in spec)
             if depth:
@@ -232,34 +238,38 @@ class SimExecutor:
             self.lengths.pop(slot, None)
             self._carry.pop(rid, None)
             self._budgets.pop(rid, None)
+            self._specs.pop(rid, None)
+            self._committed.pop(rid, None)
         for rid, slot in ((r.request_id, r.slot) for r in plan.preempted):
             self.lengths.pop(slot, None)
+        for spec in plan.admitted:  # new, or resumed after a preemption (its committed tokens come with it)
+            self._specs[spec.request_id] = spec
+            self._committed[spec.request_id] = len(spec.committed)
         plan = self._gated(plan)
         encoded = tuple(EncodeResult(rid, item.item_id) for w in plan.encodes for rid, item in w.items)
         results = []
         peak = sum(self.lengths.values())
         for work in plan.prefills:
-            req = work.request
             self.lengths[work.slot] = work.start + work.num_tokens
             peak += work.num_tokens
             if work.final:
-                results.append(self._commit(req, 0, 0, True))
+                results.append(self._commit(work.request_id, 0, 0, True))
             else:  # a chunk of a longer prefill: cached, nothing committed yet
-                results.append(RequestStepResult(req.request_id, is_prefill=True, prefill_done=False))
+                results.append(RequestStepResult(work.request_id, is_prefill=True, prefill_done=False))
         drafted = False
         for work in plan.decodes:
-            req = work.request
+            rid = work.request_id
             peak += work.node_budget
             nodes, depth = 1, 0
-            if work.node_budget > 1 and work.max_depth > 0 and req.speculate:
+            if work.node_budget > 1 and work.max_depth > 0 and self._specs[rid].speculate:
                 nodes, depth = tree_shape(self.tree_widths, work.node_budget, work.max_depth)
                 drafted = drafted or depth > 0
-            a = self.acceptance.get(req.request_id, 0.0)
+            a = self.acceptance.get(rid, 0.0)
             expected = sum(a ** k for k in range(1, depth + 1))
-            carry = self._carry.get(req.request_id, 0.0) + expected
+            carry = self._carry.get(rid, 0.0) + expected
             accepted = min(depth, int(math.floor(carry + 1e-9)))
-            self._carry[req.request_id] = carry - accepted
-            results.append(self._commit(req, accepted, nodes, False, work.slot, depth))
+            self._carry[rid] = carry - accepted
+            results.append(self._commit(rid, accepted, nodes, False, work.slot, depth))
         if plan.decodes:
             self.decode_steps += 1
             self.drafted_steps += drafted
@@ -270,21 +280,23 @@ class SimExecutor:
             self._measure(plan)
         return StepOutput(plan.step, tuple(results), 1 if rows else 0, plan.num_nodes, self.last_step_s, encoded)
 
-    def _commit(self, req: Request, accepted: int, tree_nodes: int, is_prefill: bool,
+    def _commit(self, rid: str, accepted: int, tree_nodes: int, is_prefill: bool,
                 slot: int | None = None, depth: int | None = None) -> RequestStepResult:
-        limit = min(req.remaining, self.max_len - len(req.context))
+        spec, done = self._specs[rid], self._committed[rid]
+        limit = min(spec.max_new_tokens - done, self.max_len - len(spec.prompt_ids) - done)
         n = min(accepted + 1, limit)
+        self._committed[rid] = done + n
         num_accepted = min(accepted, n)
         reason = "length" if n >= limit else None
         if not is_prefill:
             self.lengths[slot] = self.lengths.get(slot, 0) + 1 + num_accepted
         requested = 1
-        if req.speculate:
-            budget = self._budget(req.request_id)
+        if spec.speculate:
+            budget = self._budget(rid)
             if not is_prefill:
                 budget.observe(num_accepted, tree_nodes if tree_nodes else 1, depth)
             requested = budget.requested_nodes() if self.adaptive else self.full_nodes
-        return RequestStepResult(req.request_id, (0,) * n, num_accepted, is_prefill, reason, None, requested)
+        return RequestStepResult(rid, (0,) * n, num_accepted, is_prefill, reason, None, requested)
 
 
 # -- the driver -----------------------------------------------------------------------------------------------
@@ -374,7 +386,7 @@ def replay(events: list[TraceEvent], scheduler, step: Callable[[], list[Request]
         if keep_plans:
             plans.append(plan)
         for p in plan.prefills:
-            rec = records[p.request.request_id]
+            rec = records[p.request_id]
             if rec.first_prefill_s is None:
                 rec.first_prefill_s = clock.now
         dt = cost.plan_s(plan) if step_s is None else step_s(plan)

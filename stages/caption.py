@@ -349,7 +349,7 @@ class Captioner:
 
     def _prefill_inputs(self, state) -> None:
         """The runner's prefill hook: the request's image features spliced into its prompt embeddings."""
-        for m in state.request.mm_inputs:  # one input per prompt: all its images (vlm.encode concatenates them)
+        for m in state.spec.mm_inputs:  # one input per prompt: all its images (vlm.encode concatenates them)
             if m.item_id in state.mm_outputs:
                 state.prefix_embeds = self.vlm.prompt_embeds(m.data, state.mm_outputs[m.item_id])
 

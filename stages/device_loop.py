@@ -281,8 +281,7 @@ class DeviceLoop:
         if request.fork_of is not None and encoder_output is not None:
             raise InvalidRequestError("a fork shares its source's encoder output; give none of its own")
         self.scheduler.add(request)
-        ex.admit(request)
-        if encoder_output is not None:
+        if encoder_output is not None:  # kept by the executor until the request's spec comes with a plan
             ex.encoder_outputs[request.request_id] = encoder_output
         self._entries[request.request_id] = _Entry(request.model, on_tokens, visual_attention=visual_attention)
         return request
@@ -331,26 +330,29 @@ class DeviceLoop:
         return req.model if req is not None else next(iter(self.runners))
 
     def split(self, plan: StepPlan) -> dict[str, StepPlan]:
-        """The plan's part for each model (encode batches go to the runner consuming their modality)."""
+        """The plan's part for each model (encode batches go to the runner consuming their modality; each
+        admitted spec to its model's runner)."""
         parts: dict[str, dict] = {name: {"prefills": [], "decodes": [], "released": [], "encodes": [],
-                                         "preempted": [], "forks": []} for name in self.runners}
+                                         "preempted": [], "forks": [], "admitted": []} for name in self.runners}
+        for spec in plan.admitted:
+            parts[spec.model]["admitted"].append(spec)
         for p in plan.prefills:
-            parts[p.request.model]["prefills"].append(p)
+            parts[p.model]["prefills"].append(p)
         for d in plan.decodes:
-            parts[d.request.model]["decodes"].append(d)
+            parts[d.model]["decodes"].append(d)
         for rel in plan.released:  # SlotRelease: each names its model
             parts[rel.model]["released"].append(rel)
         for rel in plan.preempted:
             parts[rel.model]["preempted"].append(rel)
         for fw in plan.forks:
-            parts[fw.request.model]["forks"].append(fw)
+            parts[fw.model]["forks"].append(fw)
         for work in plan.encodes:
             owner = next((n for n, r in self.runners.items() if r.executor.handles(work.modality)), None)
             if owner is None:  # nobody encodes it: the executor answers with a clear error per item
                 owner = self._model_of(work.items[0][0])
             parts[owner]["encodes"].append(work)
         return {name: StepPlan(plan.step, tuple(v["prefills"]), tuple(v["decodes"]), tuple(v["released"]),
-                               tuple(v["encodes"]), tuple(v["preempted"]), tuple(v["forks"]))
+                               tuple(v["encodes"]), tuple(v["preempted"]), tuple(v["forks"]), tuple(v["admitted"]))
                 for name, v in parts.items()}
 
     def step(self) -> list[Request]:
@@ -359,15 +361,17 @@ class DeviceLoop:
         plan = self.scheduler.schedule()
         parts = self.split(plan)
         # models with realtime rows run first: a subtitle window's tokens leave before a long caption forward
-        order = sorted(parts, key=lambda n: (not any(w.request.qos == "realtime" for w in
-                                                     parts[n].prefills + parts[n].decodes), n))
+        reqs = self.scheduler.requests  # the loop's own view of the requests (runners get specs and ids)
+        order = sorted(parts, key=lambda n: (not any(getattr(reqs.get(w.request_id), "qos", None) == "realtime"
+                                                     for w in parts[n].prefills + parts[n].decodes), n))
         results: list[RequestStepResult] = []
         encoded = []
         forwards = nodes = 0
         duration = 0.0
         for name in order:
             part = parts[name]
-            if not (part.prefills or part.decodes or part.encodes or part.released or part.preempted):
+            if not (part.prefills or part.decodes or part.encodes or part.released or part.preempted
+                    or part.admitted):
                 continue
             t0 = time.perf_counter()
             out: StepOutput = self.runners[name].executor.execute(part)

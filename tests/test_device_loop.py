@@ -117,7 +117,7 @@ def test_whisper_window_and_vlm_rows_share_device_steps_with_outputs_of_separate
 
     def spy(name):
         def execute(plan):
-            executed[-1][name] = {w.request.request_id for w in plan.prefills + plan.decodes}
+            executed[-1][name] = {w.request_id for w in plan.prefills + plan.decodes}
             return orig[name](plan)
         return execute
 

@@ -124,7 +124,7 @@ def test_visual_attention_gathers_the_spans_before_the_means_bit_for_bit():
     attn = {layer: torch.rand((b, heads, t, s), generator=g).softmax(-1) for layer in (1, 3, 2)}
     spans = [(2, 34), None, (10, 74), (0, 16), (5, 37)]
     n_tok = [7, 7, 3, 7, 1]
-    rows = [SimpleNamespace(request=SimpleNamespace(visual_span=sp), tokens=[0] * n) for sp, n in zip(spans, n_tok)]
+    rows = [SimpleNamespace(spec=SimpleNamespace(visual_span=sp), tokens=[0] * n) for sp, n in zip(spans, n_tok)]
     got = SpeculativeExecutor._visual_attention(None, rows, attn)
     whole = torch.stack([attn[layer] for layer in sorted(attn)]).mean(0).mean(1)  # [B, T, S]
     for i, sp in enumerate(spans):

@@ -29,7 +29,7 @@ import torch
 
 from specstream.types import SamplingParams
 from specstream.kernels.verification import path_from_last, verify_stochastic_batch
-from specstream.schedulers.plan import DecodeWork
+from specstream.schedulers.plan import DecodeWork, RequestSpec
 from specstream.stages.speculative.drafters.model import ModelDrafter, TreeSpec
 from specstream.stages.speculative.drafters.ngram import NgramDrafter
 from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
@@ -99,11 +99,11 @@ def draft_once(engine, script, default, budget, depth, processors=lambda: ()) ->
     ex = engine.executor
     req = engine.make_request(PROMPT, 8, SamplingParams("sample", seed=0), request_id="r",
                               logits_processors=tuple(processors()))
-    st = ex.admit(req)
+    st = ex.admit(RequestSpec.of(req))
     st.rng = ScriptedUniforms(script, default)
     for d in ex.drafters:
         d.release(0)
-    (tree,), _ = ex._draft((DecodeWork(req, 0, budget, depth),))
+    (tree,), _ = ex._draft((DecodeWork.of(req, 0, budget, depth),))
     ex.drop("r")
     return tree, st.rng.calls
 

@@ -32,7 +32,7 @@ def test_both_schedulers_implement_the_protocol_and_release_slots_with_their_mod
     s.add(Request("a", [1, 2, 3], 2, qos="batch"))
     s.add(Request("b", [4, 5], 4, qos="batch"))
     plan = s.schedule()
-    slots = {p.request.request_id: p.slot for p in plan.prefills}
+    slots = {p.request_id: p.slot for p in plan.prefills}
     assert sorted(slots) == ["a", "b"]
     s.update(_out(plan.step, (_result("a", (7,), True), _result("b", (8,), True))))
     plan = s.schedule()
@@ -54,7 +54,7 @@ def test_fifo_cancels_a_waiting_request_and_refuses_a_second_model():
     s.add(Request("a", [1, 2], 4))
     s.add(Request("w", [3], 4))
     plan = s.schedule()
-    assert [p.request.request_id for p in plan.prefills] == ["a"]  # one slot: w waits
+    assert [p.request_id for p in plan.prefills] == ["a"]  # one slot: w waits
     req = s.cancel("w")
     assert req.finish_reason == "cancelled" and list(s.waiting) == [] and req.slot is None
     s.update(_out(plan.step, (_result("a", (5,), True),)))
@@ -120,3 +120,129 @@ def test_tokens_reach_the_event_loop_as_immutable_deltas_while_the_device_thread
     assert [d.finished for d in seen] == [False] * (len(seen) - 1) + [True] and seen[-1].finish_reason == "length"
     with pytest.raises(AttributeError):
         seen[0].new_tokens.append(1)  # a tuple: nobody extends it
+
+
+def _reachable(obj, seen=None):
+    """Every object reachable from ``obj`` through dataclass fields and containers (ids deduplicated)."""
+    import dataclasses
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    yield obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        children = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, dict):
+        children = list(obj.keys()) + list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = list(obj)
+    else:
+        children = []
+    for child in children:
+        yield from _reachable(child, seen)
+
+
+def _assert_plan_is_typed_and_immutable(plan):
+    """No scheduler ``Request`` and nothing mutable reachable from a plan handed to a runner: frozen dataclasses,
+    tuples and scalars only."""
+    import dataclasses
+
+    for x in _reachable(plan):
+        assert not isinstance(x, Request), f"plan {plan.step} reaches the scheduler's Request {x.request_id!r}"
+        assert not isinstance(x, (list, dict, set)), f"plan {plan.step} holds a mutable {type(x).__name__}"
+        if dataclasses.is_dataclass(x):
+            assert type(x).__dataclass_params__.frozen, f"plan {plan.step} holds a mutable {type(x).__name__}"
+
+
+def _recording(executor):
+    plans = []
+    execute = executor.execute
+
+    def run(plan):
+        _assert_plan_is_typed_and_immutable(plan)  # before the runner sees it
+        plans.append(plan)
+        return execute(plan)
+
+    executor.execute = run
+    return plans
+
+
+def test_runners_get_each_request_once_as_a_spec_then_ids_and_numbers_only(tiny):
+    """A real engine loop (FIFO: ``n`` forked choices, a sampled request waiting for a slot): every plan the
+    executor runs holds no scheduler ``Request`` and nothing mutable; each request's ``RequestSpec`` comes once,
+    in the plan of its first work, the work items carry its id; the executor's own committed tokens equal what
+    the scheduler booked."""
+    from specstream.schedulers.plan import RequestSpec
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+    from specstream.types import SamplingParams
+
+    eng = SpeculativeEngine.from_checkpoints(tiny.target, [tiny.noisy], ngram=True,
+                                             config=EngineConfig(num_slots=3, max_len=96))
+    plans = _recording(eng.executor)
+    reqs = [eng.make_request([3, 4, 5, 6], 10, request_id="a", logprobs=True),
+            eng.make_request([3, 4, 5, 6], 10, request_id="a1", sampling=SamplingParams("sample", seed=3)),
+            eng.make_request([7, 8, 9], 8, request_id="b"),
+            eng.make_request([11, 12], 9, request_id="c", sampling=SamplingParams("sample", seed=4))]
+    reqs[1].fork_of = "a"
+    for r in reqs:
+        eng.add_request(r)
+    committed = {}
+    while eng.has_work():
+        eng.step()
+        committed.update({rid: list(st.output) for rid, st in eng.executor.states.items()})
+    assert all(len(r.output_ids) == r.max_new_tokens for r in reqs), [(r.request_id, r.output_ids) for r in reqs]
+    specs = [s for p in plans for s in p.admitted]
+    assert sorted(s.request_id for s in specs) == ["a", "a1", "b", "c"]  # once each
+    first_work = {}
+    for p in plans:
+        for rid in p.request_ids():
+            first_work.setdefault(rid, p.step)
+    assert {s.request_id: p.step for p in plans for s in p.admitted} == first_work
+    assert all(isinstance(s, RequestSpec) and s.committed == () for s in specs)
+    assert [p.step for p in plans if p.forks] and all(f.request_id == "a1" for p in plans for f in p.forks)
+    for r in reqs:  # the executor's own list, as of its last step with the request, is a prefix of the output
+        assert r.output_ids[:len(committed[r.request_id])] == committed[r.request_id]
+    assert eng.executor.states == {} and eng.executor.pending == {}
+
+
+def test_a_preempted_request_is_readmitted_with_its_committed_tokens_and_continues_unchanged(tiny):
+    """QoS preemption on a real engine: the runner frees the request's cache; the resume's plan sends its spec
+    again with the tokens committed so far (its prefill context is prompt + those), and the greedy output is the
+    one the request gets alone."""
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+    def engine(sched=None):
+        cfg = EngineConfig(num_slots=2, max_len=128, cost_aware=False)
+        eng = SpeculativeEngine.from_checkpoints(tiny.target, [tiny.noisy], ngram=True, config=cfg)
+        if sched is not None:
+            eng.scheduler = sched
+        return eng
+
+    sched = QosScheduler(QosConfig(num_slots=2, max_len=128, reserved_realtime_slots=0, max_nodes_per_request=8))
+    eng = engine(sched)
+    plans = _recording(eng.executor)
+    prompts = {"batch-a": [5, 6, 7, 8, 9], "batch-b": [10, 11, 12], "rt": [13, 14]}
+    reqs = {rid: eng.make_request(p, 16 if rid != "rt" else 6, qos="realtime" if rid == "rt" else "batch",
+                                  request_id=rid) for rid, p in prompts.items()}
+    eng.add_request(reqs["batch-a"])
+    eng.add_request(reqs["batch-b"])
+    for _ in range(3):
+        eng.step()
+    at_preemption = {rid: list(reqs[rid].output_ids) for rid in ("batch-a", "batch-b")}
+    eng.add_request(reqs["rt"])
+    eng.run()
+    victims = [r for r in ("batch-a", "batch-b") if reqs[r].preemptions]
+    assert victims, "the realtime request preempted no batch request"
+    victim = victims[0]
+    specs = [s for p in plans for s in p.admitted if s.request_id == victim]
+    assert len(specs) == 2 and specs[0].committed == ()
+    assert specs[1].committed == tuple(at_preemption[victim]) and len(specs[1].committed) > 0
+    resume = next(p for p in plans if specs[1] in p.admitted)
+    (work,) = [w for w in resume.prefills if w.request_id == victim]
+    assert (work.start, work.context_len) == (0, len(prompts[victim]) + len(specs[1].committed))
+    alone = engine()
+    ref = alone.make_request(prompts[victim], 16, request_id="ref")
+    alone.add_request(ref)
+    alone.run()
+    assert reqs[victim].output_ids == ref.output_ids

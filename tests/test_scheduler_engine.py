@@ -57,7 +57,7 @@ def test_preempted_and_resumed_output_is_unchanged(ckpts):
     rt = engine.add_request(engine.make_request(_prompt(9), 6, request_id="rt", qos="realtime"))
     engine.step()
     plan = engine.scheduler.last_plan
-    assert [p.request.request_id for p in plan.prefills] == ["rt"]
+    assert [p.request_id for p in plan.prefills] == ["rt"]
     assert [e.request_id for e in plan.preempted] == ["b2"]  # the most recently admitted batch request
     engine.run()
     assert batch[2].preemptions == 1 and rt.finish_reason == "length"
@@ -77,7 +77,7 @@ def test_realtime_arrival_starts_within_one_step(ckpts):
     rt = engine.add_request(engine.make_request(_prompt(20), 8, request_id="rt", qos="realtime"))
     engine.step()
     plan = engine.scheduler.last_plan
-    assert [p.request.request_id for p in plan.prefills] == ["rt"]
+    assert [p.request_id for p in plan.prefills] == ["rt"]
     assert len(plan.decodes) == 8 and not plan.preempted  # the reserved slot, nobody preempted
     assert len(rt.output_ids) == 1
     engine.step()
@@ -109,8 +109,8 @@ def test_live_engine_and_simulator_make_the_same_plans(ckpts):
     live = replay(events, engine.scheduler, engine.step, clock, CPU_2CORE, submit=submit, keep_plans=True)
 
     def shape(plans):
-        return [(p.step, [(w.request.request_id, w.slot, len(w.tokens)) for w in p.prefills],
-                 [(w.request.request_id, w.slot, w.node_budget, w.max_depth) for w in p.decodes],
+        return [(p.step, [(w.request_id, w.slot, w.num_tokens) for w in p.prefills],
+                 [(w.request_id, w.slot, w.node_budget, w.max_depth) for w in p.decodes],
                  p.released, p.preempted) for p in plans]
 
     assert shape(live.plans) == shape(sim.plans)
@@ -155,14 +155,14 @@ def test_device_loop_with_two_models_and_chunked_prefill_makes_the_simulators_pl
     live = replay(events, loop.scheduler, loop.step, clock, CPU_2CORE, submit=submit, keep_plans=True)
 
     def shape(plans):
-        return [(p.step, [(w.request.request_id, w.slot, w.start, w.num_tokens) for w in p.prefills],
-                 [(w.request.request_id, w.slot, w.node_budget, w.max_depth) for w in p.decodes],
+        return [(p.step, [(w.request_id, w.slot, w.start, w.num_tokens) for w in p.prefills],
+                 [(w.request_id, w.slot, w.node_budget, w.max_depth) for w in p.decodes],
                  p.released, p.preempted) for p in plans]
 
     assert shape(live.plans) == shape(sim.plans)
     chunked = [w for p in live.plans for w in p.prefills if not w.final]
     assert chunked, "no prefill was chunked"
-    mixed = [p for p in live.plans if {w.request.model for w in p.prefills + p.decodes} == {"a", "b"}]
+    mixed = [p for p in live.plans if {w.model for w in p.prefills + p.decodes} == {"a", "b"}]
     assert mixed, "the two models never ran in the same step"
     assert {k: r.output_len for k, r in live.records.items()} == {k: r.output_len for k, r in sim.records.items()}
     assert all(r.output_len == ev.max_new_tokens for ev, r in zip(events, (live.records[e.id] for e in events)))
@@ -202,7 +202,7 @@ def test_preemption_across_models_leaves_outputs_unchanged(ckpts):
     rt = loop.add_request(loop.runners["b"].make_request(_prompt(9, 30), 20, request_id="rt", qos="realtime"))
     loop.step()
     plan = loop.scheduler.last_plan
-    assert [p.request.request_id for p in plan.prefills] == ["rt"]
+    assert [p.request_id for p in plan.prefills] == ["rt"]
     assert [e.request_id for e in plan.preempted] == ["b1"] and plan.preempted[0].model == "a"  # another model's memory
     loop.run()
     assert batch[1].preemptions == 1 and rt.finish_reason == "length" and len(rt.output_ids) == 20
@@ -235,7 +235,7 @@ def test_text_only_and_image_requests_share_one_vlm_forward(tmp_path):
         before = runner.executor.target_forwards
         loop.step()
         plan = loop.scheduler.last_plan
-        rows = {w.request.request_id for w in plan.prefills + plan.decodes}
+        rows = {w.request_id for w in plan.prefills + plan.decodes}
         if rows == {image_req.request_id, text_req.request_id}:
             assert runner.executor.target_forwards - before == 1  # both rows in one VLM forward
             shared += 1

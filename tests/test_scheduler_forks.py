@@ -19,12 +19,12 @@ def _book(s, plan):
 
     res = []
     for p in plan.prefills:
-        if p.start + p.num_tokens >= len(p.request.context):
-            res.append(one(p.request, True))
+        if p.start + p.num_tokens >= len(s.requests[p.request_id].context):
+            res.append(one(s.requests[p.request_id], True))
         else:
-            res.append(RequestStepResult(p.request.request_id, (), 0, True, None, None, 1, prefill_done=False))
-    res += [one(f.request, True) for f in plan.forks]
-    res += [one(d.request, False) for d in plan.decodes]
+            res.append(RequestStepResult(p.request_id, (), 0, True, None, None, 1, prefill_done=False))
+    res += [one(s.requests[f.request_id], True) for f in plan.forks]
+    res += [one(s.requests[d.request_id], False) for d in plan.decodes]
     enc = tuple(EncodeResult(rid, it.item_id) for w in plan.encodes for rid, it in w.items)
     return s.update(StepOutput(plan.step, tuple(res), 1, plan.num_nodes, 0.01, enc))
 
@@ -50,13 +50,13 @@ def test_forks_ride_on_the_final_chunk_and_the_rest_wait_for_slots():
         plan = s.schedule()
         plans.append(plan)
         _book(s, plan)
-    chunks = [[(p.request.request_id, p.start, p.num_tokens) for p in plan.prefills] for plan in plans]
+    chunks = [[(p.request_id, p.start, p.num_tokens) for p in plan.prefills] for plan in plans]
     assert chunks[:3] == [[("c0", 0, 16)], [("c0", 16, 16)], [("c0", 32, 8)]]  # the source alone, chunked
-    assert [[(f.request.request_id, f.source) for f in plan.forks] for plan in plans[:3]] == [
+    assert [[(f.request_id, f.source) for f in plan.forks] for plan in plans[:3]] == [
         [], [], [("c1", "c0"), ("c2", "c0")]]  # with its final chunk: as many forks as slots
     # the fourth found no slot: it prefills itself once one frees (no fork of a source that is decoding)
     own = [(i, p.start, p.num_tokens) for i, plan in enumerate(plans) for p in plan.prefills
-           if p.request.request_id == "c3"]
+           if p.request_id == "c3"]
     assert [x[1:] for x in own] == [(0, 16), (16, 16), (32, 8)] and own[0][0] > 3
     assert sum(len(plan.forks) for plan in plans) == 2
     assert all(len(s.requests[f"c{i}"].output_ids) == 8 for i in range(4))
@@ -72,8 +72,8 @@ def test_forks_skip_the_encode_and_encode_when_their_source_ends_first():
     assert [[rid for rid, _ in w.items] for w in plan.encodes] == [["c0"]]  # the image is encoded once
     _book(s, plan)
     plan = s.schedule()
-    assert [p.request.request_id for p in plan.prefills] == ["c0"]
-    assert [f.request.request_id for f in plan.forks] == ["c1", "c2"] and not plan.encodes
+    assert [p.request_id for p in plan.prefills] == ["c0"]
+    assert [f.request_id for f in plan.forks] == ["c1", "c2"] and not plan.encodes
     _book(s, plan)
     # a source cancelled before its prefill: its forks stop waiting, encode and prefill themselves
     s2 = QosScheduler(QosConfig(num_slots=4, max_len=128, reserved_realtime_slots=0, token_budget=256),
@@ -86,7 +86,7 @@ def test_forks_skip_the_encode_and_encode_when_their_source_ends_first():
         plan = s2.schedule()
         assert not plan.forks
         seen_enc |= {rid for w in plan.encodes for rid, _ in w.items}
-        seen_pre |= {p.request.request_id for p in plan.prefills}
+        seen_pre |= {p.request_id for p in plan.prefills}
         clock.advance(0.05)
         _book(s2, plan)
     assert seen_enc == seen_pre == {"c1", "c2"}
@@ -100,7 +100,7 @@ def test_a_fork_added_after_its_source_prefilled_is_an_ordinary_request():
     _book(s, s.schedule())  # the source prefilled (decoding now)
     s.add(late)
     plan = s.schedule()
-    assert [p.request.request_id for p in plan.prefills] == ["c1"] and not plan.forks
+    assert [p.request_id for p in plan.prefills] == ["c1"] and not plan.forks
 
 
 def test_trees_planned_after_forks_leave_room_for_the_forks_prompt_copies():
@@ -118,7 +118,7 @@ def test_trees_planned_after_forks_leave_room_for_the_forks_prompt_copies():
     for r in _group(2):
         s.add(r)
     plan = s.schedule()
-    assert [p.request.request_id for p in plan.prefills] == ["c0"]
-    assert [f.request.request_id for f in plan.forks] == ["c1"]
+    assert [p.request_id for p in plan.prefills] == ["c0"]
+    assert [f.request_id for f in plan.forks] == ["c1"]
     assert s.kv_tokens(plan) <= s.kv_budget
     assert [dw.node_budget for dw in plan.decodes] == [160 - 41 - 40 - 40]  # what d's cache, c0's chunk and c1's copy leave

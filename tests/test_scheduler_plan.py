@@ -17,19 +17,19 @@ def req(rid, qos, n, t=0.0, deadline=None, max_new=20, encodes=()):
 
 def book(s, plan, requested=16, tokens=1):
     """Answer ``plan`` as an executor would: one token per prefill, ``tokens`` per decode."""
-    res = [RequestStepResult(p.request.request_id, (5,), 0, True, None, None, requested) for p in plan.prefills]
-    res += [RequestStepResult(d.request.request_id, (5,) * tokens, tokens - 1, False, None, None, requested)
+    res = [RequestStepResult(p.request_id, (5,), 0, True, None, None, requested) for p in plan.prefills]
+    res += [RequestStepResult(d.request_id, (5,) * tokens, tokens - 1, False, None, None, requested)
             for d in plan.decodes]
     enc = tuple(EncodeResult(rid, it.item_id) for w in plan.encodes for rid, it in w.items)
     return s.update(StepOutput(plan.step, tuple(res), 1, plan.num_nodes, 0.01, enc))
 
 
 def prefills(plan):
-    return [(p.request.request_id, p.slot, len(p.tokens)) for p in plan.prefills]
+    return [(p.request_id, p.slot, p.num_tokens) for p in plan.prefills]
 
 
 def decodes(plan):
-    return [(d.request.request_id, d.slot, d.node_budget, d.max_depth) for d in plan.decodes]
+    return [(d.request_id, d.slot, d.node_budget, d.max_depth) for d in plan.decodes]
 
 
 def test_priority_order_edf_and_tree_budgets_with_batch_share():
@@ -77,8 +77,9 @@ def test_reserved_slot_and_preemption_of_batch_by_realtime():
         s.requests[rid].max_new_tokens = len(s.requests[rid].output_ids) + 1
     plan = s.schedule()
     out = StepOutput(plan.step, tuple(
-        RequestStepResult(d.request.request_id, (5,), 0, False,
-                          "length" if d.request.qos == "realtime" else None, None, 1) for d in plan.decodes),
+        RequestStepResult(d.request_id, (5,), 0, False,
+                          "length" if s.requests[d.request_id].qos == "realtime" else None, None, 1)
+        for d in plan.decodes),
         1, 0, 0.01)
     s.update(out)
     plan = s.schedule()
@@ -117,14 +118,14 @@ def test_long_prefill_is_chunked_while_realtime_waits_and_realtime_starts_next_s
                                max_prefill_chunk_tokens=None), clock=clock)
     s.add(req("cap", "interactive", 3000, deadline=60.0))  # a visual-token prefill of 3000 tokens
     plan = s.schedule()
-    assert [(p.request.request_id, p.start, p.num_tokens, p.final) for p in plan.prefills] == [
+    assert [(p.request_id, p.start, p.num_tokens, p.final) for p in plan.prefills] == [
         ("cap", 0, 3000, True)]  # nothing realtime, no chunk bound: one step takes it whole
     s1 = QosScheduler(QosConfig(num_slots=3, max_len=4096, reserved_realtime_slots=1, token_budget=4096,
                                 max_prefill_chunk_tokens=1024), clock=clock)
     s1.add(req("cap", "interactive", 3000, deadline=60.0))
     s1.add(req("cap2", "interactive", 700, deadline=60.0))
     plan = s1.schedule()  # bounded steps even with nothing realtime: 1024 per request, requests side by side
-    assert [(p.request.request_id, p.start, p.num_tokens, p.final) for p in plan.prefills] == [
+    assert [(p.request_id, p.start, p.num_tokens, p.final) for p in plan.prefills] == [
         ("cap", 0, 1024, False), ("cap2", 0, 700, True)]
     s2 = QosScheduler(QosConfig(num_slots=3, max_len=4096, reserved_realtime_slots=1, token_budget=4096,
                                 max_prefill_chunk_tokens=None, realtime_prefill_chunk_tokens=256), clock=clock)
@@ -133,18 +134,18 @@ def test_long_prefill_is_chunked_while_realtime_waits_and_realtime_starts_next_s
     chunks = []
     for step in range(14):
         plan = s2.schedule()
-        nonrt = sum(p.num_tokens for p in plan.prefills if p.request.qos != "realtime")
+        nonrt = sum(p.num_tokens for p in plan.prefills if s2.requests[p.request_id].qos != "realtime")
         assert nonrt <= 256  # no plan holds more than the chunk while realtime work is active
-        chunks += [(p.start, p.num_tokens) for p in plan.prefills if p.request.request_id == "cap"]
+        chunks += [(p.start, p.num_tokens) for p in plan.prefills if p.request_id == "cap"]
         if step == 0:
-            assert [p.request.request_id for p in plan.prefills][0] == "sub0"  # realtime first, same step
+            assert [p.request_id for p in plan.prefills][0] == "sub0"  # realtime first, same step
         if step == 3:
             s2.add(req("sub1", "realtime", 6, t=clock.now))
         if step == 4:  # the window that arrived during the prefill is scheduled in the next step
-            assert "sub1" in [p.request.request_id for p in plan.prefills]
-        res = tuple(RequestStepResult(p.request.request_id, (5,) if p.final else (), 0, True, None, None, 1,
+            assert "sub1" in [p.request_id for p in plan.prefills]
+        res = tuple(RequestStepResult(p.request_id, (5,) if p.final else (), 0, True, None, None, 1,
                                       prefill_done=p.final) for p in plan.prefills)
-        res += tuple(RequestStepResult(d.request.request_id, (5,), 0, False, None, None, 1) for d in plan.decodes)
+        res += tuple(RequestStepResult(d.request_id, (5,), 0, False, None, None, 1) for d in plan.decodes)
         s2.update(StepOutput(plan.step, res, 1, plan.num_nodes, 0.01))
     # contiguous chunks in order; the last one (184 tokens) yields the first token
     assert chunks == [(256 * k, 256) for k in range(11)] + [(2816, 184)]
@@ -235,7 +236,7 @@ def test_realtime_prefill_budget_in_seconds_follows_each_models_measured_cost():
     s.add(R("cap", [1] * 150, 8, qos="interactive", deadline_s=5.0, model="vlm"))
     s.add(R("doc", [1] * 600, 8, qos="interactive", deadline_s=6.0, model="big"))
     plan = s.schedule()
-    got = [(p.request.request_id, p.num_tokens) for p in plan.prefills]
+    got = [(p.request_id, p.num_tokens) for p in plan.prefills]
     # the window first; the cheap prompt whole (7.5 ms); what is left (2.5 ms: 5 tokens of the costly model) is
     # under the smallest chunk, so the costly prompt waits for the next step
     assert got == [("w", 6), ("cap", 150)]
@@ -245,12 +246,12 @@ def test_realtime_prefill_budget_in_seconds_follows_each_models_measured_cost():
     s2.observe("big", 600, 601, 0.601)  # 1 ms per token: 10 tokens fit, the smallest chunk (16) goes anyway
     s2.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
     s2.add(R("doc", [1] * 600, 8, qos="interactive", deadline_s=6.0, model="big"))
-    assert [(p.request.request_id, p.num_tokens) for p in s2.schedule().prefills] == [("w", 6), ("doc", MIN_CHUNK)]
+    assert [(p.request_id, p.num_tokens) for p in s2.schedule().prefills] == [("w", 6), ("doc", MIN_CHUNK)]
     s3 = QosScheduler(QosConfig(models=models, token_budget=8192, max_prefill_chunk_tokens=None,
                                 realtime_prefill_budget_s=0.01), clock=clock)  # nothing measured yet: tokens cap
     s3.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
     s3.add(R("cap", [1] * 150, 8, qos="interactive", deadline_s=5.0, model="vlm"))
-    assert [(p.request.request_id, p.num_tokens) for p in s3.schedule().prefills] == [("w", 6), ("cap", 32)]
+    assert [(p.request_id, p.num_tokens) for p in s3.schedule().prefills] == [("w", 6), ("cap", 32)]
 
 
 def test_costly_model_waits_while_another_models_realtime_work_runs():
@@ -268,20 +269,20 @@ def test_costly_model_waits_while_another_models_realtime_work_runs():
     s.add(R("chat", [1] * 20, 8, qos="interactive", deadline_s=30.0, model="text"))
     s.add(R("job", [1] * 10, 8, qos="batch", model="whisper"))
     plan = s.schedule()  # nothing measured, no realtime work: everyone prefills
-    assert sorted(p.request.request_id for p in plan.prefills) == ["cap", "chat", "job"]
+    assert sorted(p.request_id for p in plan.prefills) == ["cap", "chat", "job"]
     book(s, plan)
     s.observe("vlm", 40, 40, 0.08)  # 80 ms steps
     s.observe("text", 20, 20, 0.004)  # 4 ms steps
     s.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
     plan = s.schedule()
-    assert [p.request.request_id for p in plan.prefills] == ["w"]
-    assert sorted(d.request.request_id for d in plan.decodes) == ["chat", "job"]  # the VLM waits
+    assert [p.request_id for p in plan.prefills] == ["w"]
+    assert sorted(d.request_id for d in plan.decodes) == ["chat", "job"]  # the VLM waits
     assert s.mean_step_s("vlm") == pytest.approx(0.08) and s.mean_step_s("whisper") is None
     clock.advance(MAX_DEFER_S + 0.01)
-    assert "cap" in {d.request.request_id for d in s.schedule().decodes}  # waited 1 s: joins one step
-    assert "cap" not in {d.request.request_id for d in s.schedule().decodes}  # and waits again
+    assert "cap" in {d.request_id for d in s.schedule().decodes}  # waited 1 s: joins one step
+    assert "cap" not in {d.request_id for d in s.schedule().decodes}  # and waits again
     off = QosScheduler(QosConfig(models=models, token_budget=8192), clock=clock)  # the rule off: both run
     off.observe("vlm", 40, 40, 0.08)
     off.add(R("w", [1] * 6, 8, qos="realtime", model="whisper"))
     off.add(R("cap", [1] * 40, 8, qos="interactive", deadline_s=30.0, model="vlm"))
-    assert sorted(p.request.request_id for p in off.schedule().prefills) == ["cap", "w"]
+    assert sorted(p.request_id for p in off.schedule().prefills) == ["cap", "w"]

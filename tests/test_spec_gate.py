@@ -76,13 +76,13 @@ def test_probes_take_turns_over_the_rows_and_back_off_until_speculation_pays_aga
 
 def test_cut_applies_the_choice_to_the_plans_decodes():
     reqs = [Request(f"r{i}", [1, 2, 3], 16) for i in range(3)]
-    decodes = (DecodeWork(reqs[0], 0, 21, 8), DecodeWork(reqs[1], 1, 4, 8), DecodeWork(reqs[2], 2, 21, 1))
+    decodes = (DecodeWork.of(reqs[0], 0, 21, 8), DecodeWork.of(reqs[1], 1, 4, 8), DecodeWork.of(reqs[2], 2, 21, 1))
     gate = SpecGate()
     cut = gate.cut(decodes, GateChoice(3, (True, True, False), False, 0.0, 0.0), SPECINFER)
     # 21 nodes cut after depth 3: 6 nodes; a 4-node budget reaches depth 3 (root, 2 levels, 1 of 3 branches)
     assert [(w.node_budget, w.max_depth) for w in cut] == [(6, 3), (4, 3), (1, 1)]
     off = gate.cut(decodes, GateChoice(0, (False,) * 3, False, 0.0, 0.0), SPECINFER)
-    assert [w.node_budget for w in off] == [1, 1, 1] and [w.request for w in off] == reqs
+    assert [w.node_budget for w in off] == [1, 1, 1] and [w.request_id for w in off] == [r.request_id for r in reqs]
     # before costs are measured: one draft level, for at most 16 rows
     assert gate.warmup([(21, 8, 1.0), (1, 8, 1.0)], SPECINFER) == GateChoice(1, (True, False), False, 0.0, 0.0)
     assert gate.warmup([(21, 8, 1.0)] * 20, SPECINFER).keep == (True,) * 16 + (False,) * 4

@@ -10,8 +10,10 @@ committed tokens.
 
 Host syncs per step: one per draft depth (the chosen draft token ids) and one for verification. Nothing of the
 vocabulary ever crosses to the host. Everything the executor keeps about a request lives in one
-:class:`RequestState`, created at admission (:meth:`SpeculativeExecutor.admit`) and dropped in one place
-(:meth:`SpeculativeExecutor.drop`).
+:class:`RequestState`, created at admission (:meth:`SpeculativeExecutor.admit`, from the plan's
+:class:`~specstream.schedulers.plan.RequestSpec`) and dropped in one place (:meth:`SpeculativeExecutor.drop`).
+The executor never sees the scheduler's ``Request``: the plan's work items carry ids and per-step numbers, the
+spec what does not change, and the committed tokens are the executor's own list (it commits them).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from specstream.schedulers.plan import (
     EncodeWork,
     ForkWork,
     PrefillWork,
-    Request,
+    RequestSpec,
     RequestStepResult,
     StepOutput,
     StepPlan,
@@ -63,7 +65,7 @@ class RequestState:
     """Everything the executor keeps about one request, from admission until it ends.
 
     Attributes:
-        request: the scheduler's request object (token ids, limits, sampling, output so far).
+        spec: what the plan told about the request when it was admitted (token ids, limits, sampling; immutable).
         rng: the request's own random stream (draft sampling and verification uniforms).
         budget: adaptive tree size.
         prefix_embeds: ``[n_prompt, hidden]`` prompt embeddings replacing the token embeddings at prefill (a
@@ -73,26 +75,68 @@ class RequestState:
         drafters: per drafter name, that drafter's scratch for this request.
         mm_outputs: per multimodal input (``MMInput.item_id``), its encoder output, until the prefill hook turned
             them into ``prefix_embeds`` / ``encoder_output``.
+        output: the tokens committed so far (the executor's own list: :meth:`commit` extends it in the step that
+            commits them; the scheduler books the same tokens from the step's results).
+        context: ``prompt_ids + output`` (grows in place with :attr:`output`; read-only for everyone else).
+        draft_context: what drafters see: the draft prompt + :attr:`output` (:attr:`context` itself when the
+            request has no draft prompt of its own).
     """
 
-    request: Request
+    spec: RequestSpec
     rng: random.Random
     budget: AdaptiveBudget
     prefix_embeds: torch.Tensor | None = None
     encoder_output: object | None = None
     drafters: dict[str, dict] = field(default_factory=dict)
     mm_outputs: dict[str, object] = field(default_factory=dict)
+    output: list[int] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)
+    draft_context: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.restart(self.spec)
+
+    def restart(self, spec: RequestSpec) -> None:
+        """Take ``spec`` (a new admission, or a resume after preemption) and its committed tokens: O(context),
+        once per admission."""
+        self.spec = spec
+        self.output = list(spec.committed)
+        self.context = list(spec.prompt_ids) + self.output
+        self.draft_context = (self.context if spec.draft_prompt_ids is None
+                              else list(spec.draft_prompt_ids) + self.output)
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append the tokens a step committed (O(new tokens))."""
+        self.output.extend(tokens)
+        self.context.extend(tokens)
+        if self.draft_context is not self.context:
+            self.draft_context.extend(tokens)
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def remaining(self) -> int:
+        return self.spec.max_new_tokens - len(self.output)
 
 
 class _StateField(MutableMapping):
-    """``request id -> RequestState.<field>`` as a mapping (stages store encoder outputs this way)."""
+    """``request id -> RequestState.<field>`` as a mapping (stages store encoder outputs this way). A value stored
+    for a request whose spec has not arrived yet (queued, not yet in a plan's ``admitted``) waits in the
+    executor's ``pending`` until :meth:`SpeculativeExecutor.admit` moves it into the new record."""
 
     def __init__(self, executor: "SpeculativeExecutor", name: str):
         self._ex, self._name = executor, name
 
-    def __getitem__(self, rid):
+    def _get(self, rid):
         st = self._ex.states.get(rid)
-        value = None if st is None else getattr(st, self._name)
+        if st is None:
+            return self._ex.pending.get(rid, {}).get(self._name)
+        return getattr(st, self._name)
+
+    def __getitem__(self, rid):
+        value = self._get(rid)
         if value is None:
             raise KeyError(rid)
         return value
@@ -100,18 +144,27 @@ class _StateField(MutableMapping):
     def __setitem__(self, rid, value):
         st = self._ex.states.get(rid)
         if st is None:
-            raise KeyError(f"request {rid!r} is not admitted to the executor")
-        setattr(st, self._name, value)
+            self._ex.pending.setdefault(rid, {})[self._name] = value
+        else:
+            setattr(st, self._name, value)
 
     def __delitem__(self, rid):
         self[rid]  # KeyError when absent
-        setattr(self._ex.states[rid], self._name, None)
+        st = self._ex.states.get(rid)
+        if st is None:
+            self._ex.pending[rid].pop(self._name)
+        else:
+            setattr(st, self._name, None)
+
+    def _ids(self) -> list[str]:
+        ids = set(self._ex.states) | set(self._ex.pending)
+        return [rid for rid in ids if self._get(rid) is not None]
 
     def __iter__(self) -> Iterator[str]:
-        return iter([rid for rid, st in self._ex.states.items() if getattr(st, self._name) is not None])
+        return iter(self._ids())
 
     def __len__(self) -> int:
-        return sum(1 for st in self._ex.states.values() if getattr(st, self._name) is not None)
+        return len(self._ids())
 
 
 @dataclass
@@ -131,11 +184,11 @@ class _Row:
         return self.tree is None
 
     @property
-    def request(self) -> Request:
-        return self.state.request
+    def spec(self) -> RequestSpec:
+        return self.state.spec
 
 
-def _draft_constraint(req: Request) -> DraftView | None:
+def _draft_constraint(req: RequestSpec) -> DraftView | None:
     """The request's grammar constraint as its drafters see it (their prompt may lack the image tokens), or
     None."""
     constraint = grammar_constraint_of(req.logits_processors) if req.logits_processors else None
@@ -177,6 +230,8 @@ class SpeculativeExecutor:
         self.full_nodes = full_nodes
         self.adaptive = adaptive
         self.states: dict[str, RequestState] = {}
+        #: request id -> {field: value} stored before the request's spec arrived (see ``_StateField``)
+        self.pending: dict[str, dict] = {}
         self.target_forwards = 0
         #: prompt (context) tokens run through the target by prefill rows, every chunk counted (a fork adds none)
         self.prefill_tokens = 0
@@ -221,18 +276,25 @@ class SpeculativeExecutor:
         self.encoder_outputs: MutableMapping = _StateField(self, "encoder_output")
 
     # -- per-request state: one record, created at admission, dropped in one place --------------------------
-    def admit(self, request: Request) -> RequestState:
-        """Create the request's record (idempotent)."""
-        st = self.states.get(request.request_id)
+    def admit(self, spec: RequestSpec) -> RequestState:
+        """Create the request's record from its spec (:attr:`StepPlan.admitted`), with the values stored for it
+        before (:attr:`pending`). A request already known (a resume after preemption) keeps its record (random
+        stream, tree budget, prompt embeddings) and takes the new spec's committed tokens."""
+        st = self.states.get(spec.request_id)
         if st is None:
             budget = AdaptiveBudget(full_nodes=self.full_nodes, depth_nodes=self.depth_nodes)
-            st = RequestState(request, random.Random(request.sampling.seed), budget)
-            self.states[request.request_id] = st
+            st = RequestState(spec, random.Random(spec.sampling.seed), budget)
+            for name, value in self.pending.pop(spec.request_id, {}).items():
+                setattr(st, name, value)
+            self.states[spec.request_id] = st
+        else:
+            st.restart(spec)
         return st
 
     def drop(self, request_id: str) -> None:
         """Forget everything about a request (its slot must already be freed)."""
         self.states.pop(request_id, None)
+        self.pending.pop(request_id, None)
 
     def _free_slot(self, slot: int, clear: bool = False) -> None:
         if clear:
@@ -282,7 +344,7 @@ class SpeculativeExecutor:
                     items = []
                     for rid, item in work.items:
                         st = self.states[rid]
-                        mm = next((m for m in st.request.mm_inputs if m.item_id == item.item_id), None)
+                        mm = next((m for m in st.spec.mm_inputs if m.item_id == item.item_id), None)
                         if mm is None:
                             raise KeyError(f"request {rid!r} has no input {item.item_id!r}")
                         items.append((st, mm))
@@ -303,7 +365,7 @@ class SpeculativeExecutor:
         surest draft, so a node budget never cuts them first), then :attr:`drafters`."""
         return ([self.grammar_drafter] if self.grammar_drafter is not None else []) + self.drafters
 
-    def _speculates(self, req: Request) -> bool:
+    def _speculates(self, req: RequestSpec) -> bool:
         """Whether ``req`` can get drafts: a drafter, or a grammar whose forced tokens the grammar drafter
         proposes."""
         return bool(self.drafters) or (self.grammar_drafter is not None and _draft_constraint(req) is not None)
@@ -313,20 +375,20 @@ class SpeculativeExecutor:
         trees: list[TokenTree | None] = [None] * len(decodes)
         drafting = []
         for j, work in enumerate(decodes):
-            req = work.request
-            if work.node_budget > 1 and work.max_depth > 0 and self._speculates(req):
+            st = self.states[work.request_id]
+            if work.node_budget > 1 and work.max_depth > 0 and self._speculates(st.spec):
                 drafting.append(j)
             else:
-                trees[j] = TokenTree(req.context[-1])
+                trees[j] = TokenTree(st.context[-1])
         if drafting:
             proposals = []
             for d in self.proposers:
                 inputs = []
                 for j in drafting:
                     work = decodes[j]
-                    req = work.request
-                    st = self.states[req.request_id]
-                    inputs.append(DraftInput(req.request_id, work.slot, req.draft_context, work.node_budget,
+                    st = self.states[work.request_id]
+                    req = st.spec
+                    inputs.append(DraftInput(req.request_id, work.slot, st.draft_context, work.node_budget,
                                              work.max_depth, req.sampling, st.rng,
                                              st.drafters.setdefault(d.name, {}), req.draft_hypothesis,
                                              _draft_constraint(req)))
@@ -352,12 +414,12 @@ class SpeculativeExecutor:
         line = self._verify_line
         if self.gate is None or not (self.adaptive and self.cost_aware and self.drafters and decodes):
             return decodes
-        rows = [(w.node_budget, w.max_depth, self.states[w.request.request_id].budget.observed_alpha)
+        rows = [(w.node_budget, w.max_depth, self.states[w.request_id].budget.observed_alpha)
                 for w in decodes]
         if line is None or self._level_s is None:
             choice = self.gate.warmup(rows, self.depth_nodes)
         else:
-            extra = sum(len(p.tokens) for p in plan.prefills)
+            extra = sum(p.num_tokens for p in plan.prefills)
             choice = self.gate.decide(rows, line[0], line[1], self._level_s, self.depth_nodes, extra)
         return self.gate.cut(decodes, choice, self.depth_nodes)
 
@@ -375,13 +437,10 @@ class SpeculativeExecutor:
             self.release(rel.request_id, rel.slot)
         for rel in plan.preempted:
             self.preempt(rel.request_id, rel.slot)
-        for work in plan.prefills:
-            self.admit(work.request)
-        for work in plan.decodes:
-            self.admit(work.request)
+        for spec in plan.admitted:
+            self.admit(spec)
         forks: dict[str, list[ForkWork]] = {}
         for fw in plan.forks:
-            self.admit(fw.request)
             forks.setdefault(fw.source, []).append(fw)
         encoded = self._encode(plan.encodes)
         if forks and not plan.prefills:
@@ -394,7 +453,10 @@ class SpeculativeExecutor:
         t_verify = time.perf_counter()
         rows: list[_Row] = []
         for work in plan.prefills:
-            st = self.states[work.request.request_id]
+            st = self.states[work.request_id]
+            if len(st.context) != work.context_len:
+                raise ValueError(f"prefill of {work.request_id!r}: the plan has a context of {work.context_len} "
+                                 f"tokens, the executor's record {len(st.context)}")
             if work.start == 0:
                 self.cache.reset(work.slot)
                 if st.mm_outputs and self.prefill_hook is not None:
@@ -405,16 +467,19 @@ class SpeculativeExecutor:
                     st.encoder_output = None  # in the slot now (a preemption copies it out again)
             if work.final and st.prefix_embeds is not None:
                 self._share_prefix_embeds(st)
-            rows.append(_Row(st, work, work.slot, work.start, list(work.tokens)))
+            rows.append(_Row(st, work, work.slot, work.start, st.context[work.start: work.start + work.num_tokens]))
             self.prefill_tokens += work.num_tokens
-        missing = set(forks) - {w.request.request_id for w in plan.prefills if w.final}
+        missing = set(forks) - {w.request_id for w in plan.prefills if w.final}
         if missing:
             raise ValueError(f"forks of {sorted(missing)} without their source's final prefill chunk in the plan")
         compiled = None
         if decodes:
             compiled = compile_trees(trees, self.target.device, self.target.config.vocab_size)
             for j, (work, tree) in enumerate(zip(decodes, trees)):
-                st = self.states[work.request.request_id]
+                st = self.states[work.request_id]
+                if len(st.context) != work.context_len:
+                    raise ValueError(f"decode of {work.request_id!r}: the plan has a context of {work.context_len} "
+                                     f"tokens, the executor's record {len(st.context)}")
                 rows.append(_Row(st, work, work.slot, self.cache.lengths[work.slot], tree.tokens, tree, j))
         results = self._run_rows(rows, compiled, forks)
         verify_s = time.perf_counter() - t_verify
@@ -466,9 +531,9 @@ class SpeculativeExecutor:
     def _share_prefix_embeds(self, source: RequestState) -> None:
         """A source's prompt embeddings go to every request forked from it (shared, read-only ``[n_prompt,
         hidden]``): a fork that found no slot, or is preempted later, prefills itself with them."""
-        rid = source.request.request_id
+        rid = source.request_id
         for st in self.states.values():
-            if st.request.fork_of == rid and st.prefix_embeds is None:
+            if st.spec.fork_of == rid and st.prefix_embeds is None:
                 st.prefix_embeds = source.prefix_embeds
 
     def _run_rows(self, rows: list[_Row], compiled: CompiledTrees | None,
@@ -479,7 +544,7 @@ class SpeculativeExecutor:
         extra: list[RequestStepResult] = []
         for group in self._groups(rows):
             part = [rows[i] for i in group]
-            mine = [fw for r in part if r.is_prefill for fw in (forks or {}).get(r.request.request_id, ())]
+            mine = [fw for r in part if r.is_prefill for fw in (forks or {}).get(r.state.request_id, ())]
             res = self._forward_and_verify(part, compiled, mine)
             for i, r in zip(group, res):
                 out[i] = r
@@ -491,17 +556,19 @@ class SpeculativeExecutor:
         """Rows for ``forks``: each copies its source row's slot (the prompt's K/V, columns ``[0, prompt)``) into
         its own slot and takes the source's logits row ``[R, V]`` (and attention rows), so verification samples its
         first token with its own random stream and its own logits processors. One device copy per fork."""
-        at = {r.request.request_id: i for i, r in enumerate(rows)}
+        at = {r.state.request_id: i for i, r in enumerate(rows)}
         src_idx, out = [], []
         for fw in forks:
             i = at[fw.source]
             src = rows[i]
-            if src.work.start + src.work.num_tokens != len(fw.request.context):
-                raise ValueError(f"fork {fw.request.request_id!r} has a context of {len(fw.request.context)} "
+            st = self.states[fw.request_id]
+            if src.work.start + src.work.num_tokens != len(st.context) or fw.context_len != len(st.context):
+                raise ValueError(f"fork {fw.request_id!r} has a context of {len(st.context)} "
                                  f"tokens; its source {fw.source!r} prefilled {src.prefix + len(src.tokens)}")
             self.cache.copy_prefix(src.slot, fw.slot, src.prefix + len(src.tokens))
-            work = PrefillWork(fw.request, fw.slot, src.work.num_tokens, src.work.start)
-            out.append(_Row(self.states[fw.request.request_id], work, fw.slot, src.prefix, src.tokens))
+            work = PrefillWork(fw.request_id, fw.slot, src.work.num_tokens, src.work.start, len(st.context),
+                               fw.model)
+            out.append(_Row(st, work, fw.slot, src.prefix, src.tokens))
             src_idx.append(i)
         idx = torch.tensor(src_idx, device=logits.device)
         logits = torch.cat([logits, logits.index_select(0, idx)])
@@ -560,7 +627,7 @@ class SpeculativeExecutor:
                     part = pe[r.prefix: r.prefix + len(r.tokens)]  # this chunk's slice of the prompt embeddings
                     if part.shape[0]:
                         embeds[i, : part.shape[0]] = part.to(device=embeds.device, dtype=embeds.dtype)
-        want_attn = any(r.request.visual_span for r in rows)
+        want_attn = any(r.spec.visual_span for r in rows)
         batch = ForwardBatch(
             slots=torch.tensor([r.slot for r in rows], dtype=torch.long, device=device),
             input_ids=ids, position_ids=pos, write_index=cols, attn_mask=mask, logit_index=lidx,
@@ -599,9 +666,9 @@ class SpeculativeExecutor:
         # [B, R] finite rows of the raw logits (before processors add their -inf); one reduction, padding ignored
         n_rows = torch.tensor([1 if r.is_prefill else len(r.tokens) for r in rows], device=device)
         finite = torch.isfinite(logits.sum(-1)) | (torch.arange(r_max, device=device)[None, :] >= n_rows[:, None])
-        if any(r.request.logits_processors for r in rows):
+        if any(r.spec.logits_processors for r in rows):
             logits = self._process_logits(rows, logits)
-        greedy = [r.request.sampling.greedy for r in rows]
+        greedy = [r.spec.sampling.greedy for r in rows]
         dec_idx = [i for i, r in enumerate(rows) if not r.is_prefill]
         pre_idx = [i for i, r in enumerate(rows) if r.is_prefill]
         depth = sub.max_depth if sub is not None else 0
@@ -648,7 +715,7 @@ class SpeculativeExecutor:
             ok[d] = ~(visited & ~finite[d, : sub.width]).any(-1)
         # a non-finite node off the committed path: its cache columns are zeroed after the commit
         stale_nan = ~finite.all(-1)
-        want_lp = any(r.request.logprobs for r in rows)
+        want_lp = any(r.spec.logprobs for r in rows)
         payload = [ok.to(torch.float64)[:, None], stale_nan.double()[:, None], last.double()[:, None],
                    bonus.double()[:, None], path.double()]
         if want_lp:
@@ -663,15 +730,15 @@ class SpeculativeExecutor:
         batched per distinct sampling parameters."""
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(rows):
-            sp = r.request.sampling
+            sp = r.spec.sampling
             groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(i)
         flat = lambda x: x.reshape(-1, x.shape[-1]).nan_to_num(neginf=-1e30, posinf=1e30)  # noqa: E731
         if len(groups) == 1:
-            return target_probs(flat(logits), rows[0].request.sampling, torch.float32).reshape(logits.shape)
+            return target_probs(flat(logits), rows[0].spec.sampling, torch.float32).reshape(logits.shape)
         probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         for idx in groups.values():
             sel = torch.tensor(idx, device=logits.device)
-            probs[sel] = target_probs(flat(logits[sel]), rows[idx[0]].request.sampling, torch.float32).reshape(
+            probs[sel] = target_probs(flat(logits[sel]), rows[idx[0]].spec.sampling, torch.float32).reshape(
                 (len(idx),) + tuple(logits.shape[1:]))
         return probs
 
@@ -687,7 +754,7 @@ class SpeculativeExecutor:
                     k += 1
         lists = []
         for i, r in enumerate(rows):
-            if r.request.sampling.greedy:
+            if r.spec.sampling.greedy:
                 lists.append([])
             else:
                 n = 1 if r.is_prefill else draws[i] + 1
@@ -717,7 +784,7 @@ class SpeculativeExecutor:
         tok = torch.where(ar == depth_last[:, None], bonus[:, None], tok)
         sel = torch.gather(logits, 1, rows_idx[:, :, None].expand(-1, -1, logits.shape[-1])).float()  # [B, D+1, V]
         lp = sel.gather(2, tok[:, :, None])[:, :, 0] - torch.logsumexp(sel, -1)
-        sampled = [i for i, r in enumerate(rows) if not r.request.sampling.greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.spec.sampling.greedy]
         if sampled:
             si = torch.tensor(sampled, device=device)
             probs = self._target_probs([rows[i] for i in sampled], sel[si])
@@ -731,11 +798,11 @@ class SpeculativeExecutor:
         out: list[torch.Tensor | None] = [None] * len(rows)
         if not attn:
             return out
-        have = [i for i, row in enumerate(rows) if row.request.visual_span is not None]
+        have = [i for i, row in enumerate(rows) if row.spec.visual_span is not None]
         if not have:
             return out
         layers = [attn[layer] for layer in sorted(attn)]  # each [B, heads, T, S]
-        spans = [rows[i].request.visual_span for i in have]
+        spans = [rows[i].spec.visual_span for i in have]
         width = max(e - s for s, e in spans)
         dev = layers[0].device
         # every row's span gathered first (padded to the widest), then the means over layers and heads, then one
@@ -761,7 +828,7 @@ class SpeculativeExecutor:
         per_row: list = []
         seqs: list[list[int]] = []
         for i, r in enumerate(rows):
-            procs = r.request.logits_processors
+            procs = r.spec.logits_processors
             if procs:
                 hist = self._histories(r)
                 b_idx += [i] * len(hist)
@@ -778,14 +845,14 @@ class SpeculativeExecutor:
         """Per logits row, the tokens before the one it predicts: the prefilled tokens (prefill), or context +
         the draft tokens on the tree path root -> node (decode). Views (:class:`~.logits.History`), not copies:
         O(nodes x depth) per step whatever the context length."""
-        req = row.request
+        st = row.state
         if row.tree is None:
-            return [History(req.prompt_ids, req.output_ids, stop=row.prefix + len(row.tokens))]
+            return [History(st.spec.prompt_ids, st.output, stop=row.prefix + len(row.tokens))]
         tree = row.tree
         paths: list[tuple[int, ...]] = [()]
         for i in range(1, len(tree)):  # parents precede children: each path is its parent's plus one token
             paths.append(paths[tree.parents[i]] + (tree.tokens[i],))
-        return [History(req.prompt_ids, req.output_ids, p) for p in paths]
+        return [History(st.spec.prompt_ids, st.output, p) for p in paths]
 
     # -- commit ---------------------------------------------------------------------------------------------
     def _commit(self, rows: list[_Row], host: list[list[float]], width: int, want_lp: bool,
@@ -805,7 +872,7 @@ class SpeculativeExecutor:
         observes, nan_rows = [], []
         for i, row in enumerate(rows):
             h = host[i]
-            req = row.request
+            req = row.spec
             ok, stale_nan, last, bonus = h[0] > 0.5, h[1] > 0.5, int(h[2]), int(h[3])
             path_nodes = [int(x) for x in h[4:4 + width] if x >= 0]
             if not ok:
@@ -824,7 +891,7 @@ class SpeculativeExecutor:
                 path_nodes = path_nodes[: row.tree.depths[last] + 1]
                 accepted = [row.tree.tokens[n] for n in path_nodes[1:]]
             proposed = accepted + [bonus]
-            limit = min(req.remaining, self.max_len - len(req.prompt_ids) - len(req.output_ids))  # no context copy
+            limit = min(row.state.remaining, self.max_len - len(row.state.context))
             new, reason = [], None
             for tok in proposed:
                 new.append(tok)
@@ -847,6 +914,7 @@ class SpeculativeExecutor:
                 results.append(RequestStepResult(req.request_id, tuple(new), num_accepted, row.is_prefill, reason,
                                                  None, 1, visual_attention=vis, logprobs=lps))
                 continue
+            row.state.commit(new)
             if row.is_prefill:
                 self.cache.lengths[row.slot] = row.prefix + len(row.tokens)
             else:
