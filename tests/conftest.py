@@ -121,9 +121,10 @@ if "SPECSTREAM_CACHE" not in os.environ or os.environ.get("SPECSTREAM_TEST_CACHE
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_lock(request):
-    """The suite runs on two pytest-xdist workers (``addopts``). A module marked ``exclusive`` (the subtitle tests
-    that stream at real-time pace) runs with no other module beside it: it takes an exclusive ``flock`` on a file
-    of this run, every other module a shared one. In one process (``-n 0``) nothing is locked."""
+    """The suite runs on two pytest-xdist workers (``addopts``). A module marked ``exclusive`` (the real Qwen pair
+    beside its HF reference, about 18 GB at its peak; the subtitle tests that stream at real-time pace) runs with
+    no other module beside it: it takes an exclusive ``flock`` on a file of this run, every other module a shared
+    one. In one process (``-n 0``) nothing is locked."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:
         yield

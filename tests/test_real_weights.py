@@ -39,10 +39,7 @@ import torch
 
 from specstream.stages.speculative.models.llama import ForwardBatch
 
-# Not ``exclusive``: its largest process peaks at 11.4 GB resident (/usr/bin/time -v; the HF reference runs in a
-# child process first), which leaves room on a 24-GiB machine for the small modules of the other xdist worker, so
-# that worker no longer waits idle for the 11 minutes this module takes.
-pytestmark = [pytest.mark.real_weights, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.real_weights, pytest.mark.exclusive, pytest.mark.timeout(3600)]
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 IM_END, ENDOFTEXT = 151645, 151643
