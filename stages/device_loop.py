@@ -141,6 +141,7 @@ class _Entry:
     future: Any = None  # a concurrent.futures.Future resolved with the finished request
     #: the caller's list that each step extends with the request's visual attention rows (None: not kept)
     visual_attention: list | None = None
+    qos: str = "interactive"  # the request's QoS class, copied at submit (the step order reads it, not the scheduler)
 
 
 class DeviceLoop:
@@ -283,7 +284,8 @@ class DeviceLoop:
         self.scheduler.add(request)
         if encoder_output is not None:  # kept by the executor until the request's spec comes with a plan
             ex.encoder_outputs[request.request_id] = encoder_output
-        self._entries[request.request_id] = _Entry(request.model, on_tokens, visual_attention=visual_attention)
+        self._entries[request.request_id] = _Entry(request.model, on_tokens, qos=request.qos,
+                                                  visual_attention=visual_attention)
         return request
 
     def cancel(self, request_id: str) -> None:
@@ -361,8 +363,8 @@ class DeviceLoop:
         plan = self.scheduler.schedule()
         parts = self.split(plan)
         # models with realtime rows run first: a subtitle window's tokens leave before a long caption forward
-        reqs = self.scheduler.requests  # the loop's own view of the requests (runners get specs and ids)
-        order = sorted(parts, key=lambda n: (not any(getattr(reqs.get(w.request_id), "qos", None) == "realtime"
+        entries = self._entries  # the loop's own records (QoS copied at submit), not the scheduler's requests
+        order = sorted(parts, key=lambda n: (not any(getattr(entries.get(w.request_id), "qos", None) == "realtime"
                                                      for w in parts[n].prefills + parts[n].decodes), n))
         results: list[RequestStepResult] = []
         encoded = []
@@ -451,7 +453,7 @@ class DeviceLoop:
         if self._thread is None:
             raise RuntimeError("the device loop is not started")
         with self._lock:
-            self._submitted.append((request, _Entry(request.model, on_tokens, fut), dict(add_kwargs,
+            self._submitted.append((request, _Entry(request.model, on_tokens, future=fut), dict(add_kwargs,
                                                                                           _admitted=on_admitted)))
             self._lock.notify()
         return fut
@@ -509,7 +511,7 @@ class DeviceLoop:
                 wrapped = None if cb is None else (
                     lambda r, toks, _f=cb: aio.call_soon_threadsafe(_f, TokenDelta.of(r, toks)))
                 fut: concurrent.futures.Future = concurrent.futures.Future()
-                self._submitted.append((req, _Entry(req.model, wrapped, fut), {"_admitted": one_admitted}))
+                self._submitted.append((req, _Entry(req.model, wrapped, future=fut), {"_admitted": one_admitted}))
                 futs.append(fut)
             self._lock.notify()
         return [self._await(req, fut) for req, fut in zip(requests, futs)]

@@ -246,3 +246,50 @@ def test_a_preempted_request_is_readmitted_with_its_committed_tokens_and_continu
     alone.add_request(ref)
     alone.run()
     assert reqs[victim].output_ids == ref.output_ids
+
+
+def test_models_with_realtime_rows_step_first_by_the_loops_own_record_of_the_qos(tiny):
+    """The step order (models with realtime rows first) comes from the QoS the loop copied at submit, not from
+    the scheduler's live ``Request``: between the scheduler's plan and the first forward the scheduler's request
+    registry is unreadable, and the order is still realtime first."""
+    from specstream.stages.device_loop import DeviceLoop
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+
+    runners = []
+    for name in ("a-interactive", "z-realtime"):
+        r = SpeculativeEngine.from_checkpoints(tiny.target, [], ngram=False,
+                                               config=EngineConfig(num_slots=1, max_len=64)).runner
+        r.name = name
+        runners.append(r)
+    loop = DeviceLoop(runners)
+    loop.add_request(runners[0].make_request([3, 4, 5], 3, request_id="i", qos="interactive"))
+    loop.add_request(runners[1].make_request([6, 7], 3, request_id="r", qos="realtime"))
+    assert loop._entries["r"].qos == "realtime" and loop._entries["i"].qos == "interactive"
+
+    class NoLookups(dict):  # the scheduler's request registry while the loop orders the models
+        def get(self, *a, **k):
+            raise AssertionError("the step order read the scheduler's requests")
+
+        __getitem__ = get
+
+    sched = loop.scheduler
+    real_registry, real_schedule = sched.requests, sched.schedule
+    order: list[str] = []
+
+    def schedule():
+        plan = real_schedule()
+        sched.requests = NoLookups(real_registry)  # from the plan until the first forward
+        return plan
+
+    for r in runners:
+        def execute(plan, _ex=r.executor.execute, _n=r.name):
+            sched.requests = real_registry
+            order.append(_n)
+            return _ex(plan)
+        r.executor.execute = execute
+    sched.schedule = schedule
+    loop.step()
+    assert order == ["z-realtime", "a-interactive"]
+    while loop.has_work():
+        loop.step()
+    assert sched.requests is real_registry and order[:2] == ["z-realtime", "a-interactive"]
