@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,7 +104,8 @@ def constraint_timer():
 
 def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[list[int], dict]],
                    decode: Callable[[list[int]], str], new_tokens: int, batch: int, eos: tuple[int, ...],
-                   configs: list[str] | None = None, adaptive: bool = True, log=print) -> dict:
+                   configs: list[str] | None = None, adaptive: bool = True, log=print,
+                   dtype: str = "float32") -> dict:
     """Run every configuration on every workload (each prompt alone, then ``batch`` requests together).
 
     Args:
@@ -113,7 +115,12 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
         decode: token ids -> text (the output checked against its schema; the end-of-sequence ids are dropped).
         new_tokens: token limit per request; batch: requests in the batch workload (0: none).
         eos: end-of-sequence ids (end every request; dropped before decoding).
-    Returns ``{"configs": {name: {workload: record}}, "new_tokens", "batch"}``.
+        configs: names of :data:`CONFIGS` to run (default: all); ``constrained/no-spec`` is the ratios' baseline.
+        dtype: weight precision of target and draft (``float32``, ``bfloat16``, ``int8``, ``int4``; see
+            ``docs/models.md``).
+    Returns ``{"configs": {name: {workload: record}}, "new_tokens", "batch", "dtype"}``.
+    Raises:
+        ValueError: a name in ``configs`` that is not one of :data:`CONFIGS`.
     """
     import jsonschema
 
@@ -127,12 +134,16 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
         names = list(prompts)
         loads[f"batch{batch}"] = [names[i % len(names)] for i in range(batch)]
     max_len = max(len(ids) for ids, _ in prompts.values()) + new_tokens + 32
-    results: dict = {"configs": {}, "new_tokens": new_tokens, "batch": batch}
+    unknown = [c for c in configs or () if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown structured configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    results: dict = {"configs": {}, "new_tokens": new_tokens, "batch": batch, "dtype": dtype}
     for cname in configs or list(CONFIGS):
         tree, with_draft, speculate = CONFIGS[cname]
         config = EngineConfig(num_slots=max(len(v) for v in loads.values()), max_len=max_len,
                               tree=TreeSpec.parse(tree or "1"), adaptive=adaptive)
-        engine = SpeculativeEngine.from_checkpoints(target, [draft] if with_draft else [], config=config)
+        engine = SpeculativeEngine.from_checkpoints(target, [draft] if with_draft else [], config=config,
+                                                    dtype=dtype)
         gd = engine.executor.grammar_drafter
 
         def generate(names):
@@ -207,7 +218,8 @@ def markdown(results: dict) -> str:
              f"{1000 * r['constraint_s_per_step']:.2f} ({100 * r['constraint_share']:.1f}%)",
              f"{1000 * r['mask_s_per_step']:.2f}", r.get('identical', '-'), f"{r['valid']} / {r['cut']}"]
             for cname, per in results["configs"].items() for wname, r in per.items()]
-    lines = [f"Constrained greedy decoding, {results['new_tokens']} new tokens per request.{machine}", "",
+    lines = [f"Constrained greedy decoding, {results['new_tokens']} new tokens per request, "
+             f"{results.get('dtype', 'float32')} weights.{machine}", "",
              *md_table(header, rows)]
     return "\n".join(lines)
 
@@ -223,6 +235,12 @@ def main(args) -> int:
     from specstream.stages.speculative.grammar import tokenizer_info
     from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
 
+    configs = args.configs or None
+    unknown = [c for c in configs or () if c not in CONFIGS]
+    if unknown:
+        print(f"error: --structured configurations are {', '.join(CONFIGS)}; got {', '.join(unknown)}",
+              file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     show = False if args.no_progress else None
     tckpt = resolve_checkpoint(TARGET, show_progress=show)
@@ -232,15 +250,22 @@ def main(args) -> int:
     cfg = json.loads((Path(target) / "config.json").read_text())
     info = tokenizer_info(tok, cfg["vocab_size"], eos)
     prompts = {n: (chat_prompt_ids(target, text), schema) for n, (text, schema) in PROMPTS.items()}
-    info = machine_info(args.threads)
-    machine = {"cpu": info["cpu"], "read_bandwidth_gbs": info["read_bandwidth"] / 1e9, "threads": args.threads}
-    print(machine_line(info))
-    results = run_structured(target, draft, info, prompts, lambda ids: tok.decode(ids, skip_special_tokens=True),
-                             args.max_new_tokens, 0 if args.no_batch else 8, eos,
-                             adaptive=not args.fixed_trees)
-    results.update(machine)
-    table = markdown(results)
-    write_results(args.out, "bench_structured", results, markdown=table, indent=1)
-    print(table)
-    flags = [rec.get("identical") for per in results["configs"].values() for rec in per.values()]
+    machine = machine_info(args.threads)  # not ``info``: that name is the vocabulary's table above
+    print(machine_line(machine))
+    dtypes = args.dtypes or ["float32"]
+    every: list[dict] = []
+    for dtype in dtypes:
+        results = run_structured(target, draft, info, prompts,
+                                 lambda ids: tok.decode(ids, skip_special_tokens=True),
+                                 args.max_new_tokens, 0 if args.no_batch else 8, eos, configs=configs,
+                                 adaptive=not args.fixed_trees, dtype=dtype)
+        results.update({"cpu": machine["cpu"], "read_bandwidth_gbs": machine["read_bandwidth"] / 1e9,
+                        "threads": args.threads})
+        table = markdown(results)
+        name = "bench_structured" if dtype == "float32" else f"bench_structured_{dtype}"
+        write_results(args.out, name, results, markdown=table, indent=1)
+        print(table)
+        every.append(results)
+    flags = [rec.get("identical") for results in every for per in results["configs"].values()
+             for rec in per.values()]
     return 0 if all(f is not False for f in flags) else 1
