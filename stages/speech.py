@@ -85,6 +85,9 @@ def _on_device(method):
     return wrapper
 
 
+_LOOP_REQUEST_IDS = itertools.count()  # request ids of every LoopEngine of the process (never reused)
+
+
 class LoopEngine:
     """The engine surface :meth:`SpeechModel.decode` uses, over the Whisper runner of a running device loop:
     requests are queued with :meth:`add_request`, then :meth:`run` submits them to the loop's thread and waits (for
@@ -97,7 +100,6 @@ class LoopEngine:
         self.executor = self.runner.executor
         self.qos = qos
         self._pending: list = []
-        self._ids = itertools.count()
 
     @property
     def scheduler(self) -> "LoopEngine":
@@ -109,7 +111,10 @@ class LoopEngine:
     def make_request(self, prompt_ids, max_new_tokens, sampling=None, request_id=None, speculate=True,
                      logits_processors=(), **kwargs):
         kwargs.setdefault("qos", self.qos)
-        rid = request_id or f"transcribe-{id(self):x}-{next(self._ids)}"
+        # one counter for the process: an id made from ``id(self)`` came back when a later engine got the freed
+        # address, and a request of the same id whose slot release was still pending dropped the new one's
+        # encoder output ("forward on a slot without encoder output")
+        rid = request_id or f"transcribe-{next(_LOOP_REQUEST_IDS)}"
         return self.runner.make_request(prompt_ids, max_new_tokens, sampling, rid, speculate, logits_processors,
                                         **kwargs)
 

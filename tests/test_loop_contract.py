@@ -293,3 +293,31 @@ def test_models_with_realtime_rows_step_first_by_the_loops_own_record_of_the_qos
     while loop.has_work():
         loop.step()
     assert sched.requests is real_registry and order[:2] == ["z-realtime", "a-interactive"]
+
+
+def test_loop_engines_never_reuse_a_request_id_after_one_is_freed(tiny):
+    """Each offline transcription in a server gets a fresh ``LoopEngine`` on the loop's Whisper runner. Their
+    request ids were made from ``id(engine)``, which CPython hands out again once an engine is freed: a new request
+    then shared the id of a finished one whose slot release was still pending, and that release dropped the new
+    request's encoder output (an HTTP 500 "forward on a slot without encoder output" seen in CI). 50 engines made
+    and freed one after another give 50 distinct ids (the old ids: a handful), and the loop runs such requests to
+    their end."""
+    from specstream.stages.device_loop import DeviceLoop
+    from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
+    from specstream.stages.speech import LoopEngine
+
+    runner = SpeculativeEngine.from_checkpoints(tiny.target, [], ngram=False,
+                                                config=EngineConfig(num_slots=1, max_len=64)).runner
+    loop = DeviceLoop([runner])
+    ids = []
+    for _ in range(50):
+        eng = LoopEngine(loop, runner.name)
+        ids.append(eng.make_request([3, 4, 5], 2).request_id)
+        del eng  # its address is free for the next one
+    assert len(set(ids)) == 50
+    for k in (0, 1):
+        eng = LoopEngine(loop, runner.name)
+        req = loop.add_request(eng.make_request([3, 4, 5 + k], 2))
+        loop.run()
+        assert req.finish_reason == "length" and len(req.output_ids) == 2
+        del eng
