@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import itertools
 import json
 import os
 import sys
@@ -85,9 +84,6 @@ def _on_device(method):
     return wrapper
 
 
-_LOOP_REQUEST_IDS = itertools.count()  # request ids of every LoopEngine of the process (never reused)
-
-
 class LoopEngine:
     """The engine surface :meth:`SpeechModel.decode` uses, over the Whisper runner of a running device loop:
     requests are queued with :meth:`add_request`, then :meth:`run` submits them to the loop's thread and waits (for
@@ -111,11 +107,11 @@ class LoopEngine:
     def make_request(self, prompt_ids, max_new_tokens, sampling=None, request_id=None, speculate=True,
                      logits_processors=(), **kwargs):
         kwargs.setdefault("qos", self.qos)
-        # one counter for the process: an id made from ``id(self)`` came back when a later engine got the freed
-        # address, and a request of the same id whose slot release was still pending dropped the new one's
-        # encoder output ("forward on a slot without encoder output")
-        rid = request_id or f"transcribe-{next(_LOOP_REQUEST_IDS)}"
-        return self.runner.make_request(prompt_ids, max_new_tokens, sampling, rid, speculate, logits_processors,
+        # no id of our own: the runner's counter never repeats (an id made from ``id(self)`` came back when a later
+        # engine got the freed address, and the pending slot release of the finished request of that id dropped
+        # the new one's encoder output: "forward on a slot without encoder output")
+        return self.runner.make_request(prompt_ids, max_new_tokens, sampling, request_id, speculate,
+                                        logits_processors,
                                         **kwargs)
 
     def add_request(self, request, on_tokens=None, encoder_output=None):

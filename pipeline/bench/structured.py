@@ -67,6 +67,13 @@ CONFIGS = {  # name -> (tree, model draft?, speculate)
 }
 
 
+def check_configs(configs: list[str] | None) -> None:
+    """Raises ValueError naming :data:`CONFIGS` when ``configs`` holds another name."""
+    unknown = [c for c in configs or () if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"--structured configurations are {', '.join(CONFIGS)}; got {', '.join(unknown)}")
+
+
 @contextlib.contextmanager
 def constraint_timer():
     """Accumulate the wall time spent in :class:`GrammarConstraint` (outermost calls of ``apply``, ``masks``,
@@ -134,9 +141,7 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
         names = list(prompts)
         loads[f"batch{batch}"] = [names[i % len(names)] for i in range(batch)]
     max_len = max(len(ids) for ids, _ in prompts.values()) + new_tokens + 32
-    unknown = [c for c in configs or () if c not in CONFIGS]
-    if unknown:
-        raise ValueError(f"unknown structured configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    check_configs(configs)
     results: dict = {"configs": {}, "new_tokens": new_tokens, "batch": batch, "dtype": dtype}
     for cname in configs or list(CONFIGS):
         tree, with_draft, speculate = CONFIGS[cname]
@@ -236,10 +241,10 @@ def main(args) -> int:
     from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
 
     configs = args.configs or None
-    unknown = [c for c in configs or () if c not in CONFIGS]
-    if unknown:
-        print(f"error: --structured configurations are {', '.join(CONFIGS)}; got {', '.join(unknown)}",
-              file=sys.stderr)
+    try:
+        check_configs(configs)  # before any model loads
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     show = False if args.no_progress else None
