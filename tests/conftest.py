@@ -119,25 +119,30 @@ if "SPECSTREAM_CACHE" not in os.environ or os.environ.get("SPECSTREAM_TEST_CACHE
     atexit.register(shutil.rmtree, os.environ["SPECSTREAM_CACHE"], True)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Modules marked ``exclusive`` run first (a stable sort: modules and the tests in them keep their order).
+    pytest-xdist's ``loadscope`` hands out modules in collection order. An exclusive module that comes up while
+    the other worker is inside a long module waits for that one to end, with its own worker idle (the sampling
+    enumerations run for minutes). At the start, nothing long is running yet."""
+    items.sort(key=lambda item: item.get_closest_marker("exclusive") is None)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _module_lock(request):
     """The suite runs on two pytest-xdist workers (``addopts``). A module marked ``exclusive`` (the real Qwen pair
     beside its HF reference, about 18 GB at its peak; the subtitle tests that stream at real-time pace) runs with
     no other module beside it: it takes an exclusive ``flock`` on a file of this run, every other module a shared
-    one. In one process (``-n 0``) nothing is locked."""
+    one, and a waiting exclusive module goes before modules that ask after it (``tests/module_lock.py``). In one
+    process (``-n 0``) nothing is locked."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:
         yield
         return
-    import fcntl
+    from module_lock import module_lock
 
     exclusive = request.node.get_closest_marker("exclusive") is not None
-    with open(os.path.join(tempfile.gettempdir(), f"specstream-tests-{run}.lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with module_lock(os.path.join(tempfile.gettempdir(), f"specstream-tests-{run}.lock"), exclusive):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,72 @@
+"""``tests/module_lock.py``: an exclusive module waiting for the lock goes before shared modules that ask after it
+(else the other xdist worker's chain of shared modules can keep it waiting for minutes)."""
+
+from __future__ import annotations
+
+import fcntl
+import threading
+import time
+
+from module_lock import module_lock
+
+
+def _try_shared(path: str) -> bool:
+    """Whether a shared request made now would pass the turnstile without waiting."""
+    with open(path + ".turnstile", "a") as gate:
+        try:
+            fcntl.flock(gate, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        return True
+
+
+def test_a_waiting_exclusive_module_goes_before_later_shared_ones(tmp_path):
+    path = str(tmp_path / "run.lock")
+    order: list[str] = []
+    running = module_lock(path, exclusive=False)  # the other worker's module, in progress
+    running.__enter__()
+    assert _try_shared(path)  # nobody waits: shared modules pass
+
+    def exclusive():
+        with module_lock(path, exclusive=True):
+            order.append("exclusive")
+
+    waiter = threading.Thread(target=exclusive)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while _try_shared(path) and time.monotonic() < deadline:  # until the exclusive request holds the turnstile
+        time.sleep(0.01)
+    assert not _try_shared(path), "a shared module asking now would overtake the waiting exclusive one"
+    assert order == []  # still waiting for the running module
+
+    def later_shared():
+        with module_lock(path, exclusive=False):
+            order.append("shared")
+
+    later = threading.Thread(target=later_shared)
+    later.start()
+    time.sleep(0.2)
+    assert order == []  # the later shared module waits too
+    running.__exit__(None, None, None)
+    waiter.join(10)
+    later.join(10)
+    assert order == ["exclusive", "shared"]
+    assert _try_shared(path)
+
+
+def test_exclusive_modules_are_collected_first_in_their_order():
+    """The suite's collection puts the modules marked ``exclusive`` first and keeps every other order."""
+    import conftest
+
+    class Item:
+        def __init__(self, name, exclusive):
+            self.name, self.exclusive = name, exclusive
+
+        def get_closest_marker(self, name):
+            return object() if name == "exclusive" and self.exclusive else None
+
+    items = [Item("a::1", False), Item("b::1", True), Item("a::2", False), Item("c::1", False),
+             Item("d::1", True), Item("d::2", True)]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.name for i in items] == ["b::1", "d::1", "d::2", "a::1", "a::2", "c::1"]
