@@ -111,9 +111,10 @@ class FifoScheduler:
     def update(self, output: StepOutput) -> list[Request]:
         """Book a step's results; returns the requests that finished in it."""
         finished = []
+        now = self.clock()
         for res in output.results:
             req = self.requests[res.request_id]
-            done = book_step_result(req, res)
+            done = book_step_result(req, res, now)
             if res.is_prefill:
                 self.running[req.request_id] = req
             if done:

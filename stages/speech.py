@@ -111,8 +111,7 @@ class LoopEngine:
         # engine got the freed address, and the pending slot release of the finished request of that id dropped
         # the new one's encoder output: "forward on a slot without encoder output")
         return self.runner.make_request(prompt_ids, max_new_tokens, sampling, request_id, speculate,
-                                        logits_processors,
-                                        **kwargs)
+                                        logits_processors, **kwargs)
 
     def add_request(self, request, on_tokens=None, encoder_output=None):
         self._pending.append((request, encoder_output))

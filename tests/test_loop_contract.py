@@ -46,6 +46,32 @@ def test_both_schedulers_implement_the_protocol_and_release_slots_with_their_mod
     assert not s.has_work()
 
 
+@pytest.mark.parametrize("make", [lambda clock: FifoScheduler(num_slots=1, max_len=64),
+                                  lambda clock: QosScheduler(QosConfig(num_slots=1, max_len=64,
+                                                                       reserved_realtime_slots=0), clock=clock)],
+                         ids=["fifo", "qos"])
+def test_both_schedulers_stamp_the_first_token_on_their_clock(make):
+    """``stats.first_token_s`` is the scheduler clock at the step that committed the first token (not at a
+    prefill chunk that committed nothing). The FIFO scheduler left it None, so the time to first token and the
+    decode rate after it could not be measured on the engine's default scheduler."""
+    now = [100.0]
+    s = make(lambda: now[0])
+    s.clock = lambda: now[0]
+    req = Request("a", [1, 2, 3], 3, qos="batch")
+    s.add(req)
+    plan = s.schedule()
+    now[0] = 101.5
+    s.update(_out(plan.step, (RequestStepResult("a", (), 0, True, None, prefill_done=False),)))
+    assert req.stats.first_token_s is None
+    plan = s.schedule()
+    now[0] = 102.25
+    s.update(_out(plan.step, (_result("a", (7,), True),)))
+    now[0] = 103.0
+    plan = s.schedule()
+    s.update(_out(plan.step, (_result("a", (8, 9), False, "length"),)))
+    assert req.finished and req.output_ids == [7, 8, 9] and req.stats.first_token_s == 102.25
+
+
 def test_fifo_cancels_a_waiting_request_and_refuses_a_second_model():
     s = FifoScheduler(num_slots=1, max_len=64)
     assert not s.multi_model
