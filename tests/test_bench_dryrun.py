@@ -74,3 +74,13 @@ def test_bench_structured_dry_run_on_tiny_models(tiny, tmp_path):
     base = res["configs"]["constrained/no-spec"]["batch4"]
     assert base["tau"] == 1.0 and base["forced_proposed"] == 0 and base["mask_s_per_step"] > 0
     assert "| constrained/specinfer | batch4 |" in markdown(res)
+    # with the machine's read bandwidth the table names the no-speculation bound and each row's share of it
+    assert res["target_weight_bytes"] > 0
+    res.update(cpu="Test CPU", read_bandwidth_gbs=res["target_weight_bytes"] * 100 / 1e9, threads=2)
+    table = markdown(res)
+    assert "one token per target forward is bound at 100.0 tokens/s" in table
+    r = res["configs"]["constrained/no-spec"]["a"]
+    assert f"| constrained/no-spec | a | {r['tok_s']:.2f} | {r['tok_s']:.0f} % |" in table
+    b = res["configs"]["constrained/no-spec"]["batch4"]  # one forward gives a token to each of 4 requests
+    assert b["requests"] == 4
+    assert f"| constrained/no-spec | batch4 | {b['tok_s']:.2f} | {b['tok_s'] / 4:.0f} % |" in table

@@ -35,10 +35,11 @@ def test_summary_ratios_and_identity():
     assert spec["code"]["identical"] is True and spec["prose"]["identical"] is False
     assert res["configs"]["hf/greedy"]["batch-4"]["identical"] is True
     table = markdown(res)
-    assert "| configuration | tokens/s | tau | vs ours/no-spec | vs HF assisted | vs llama.cpp |" in table
-    assert "| ours/specinfer | 4.00 | 4.00 | 2.00x | 2.00x | – | – | – | – | yes |" in table
-    assert "| ours/specinfer | 2.00 | 2.00 | 1.00x | 2.00x | – | – | – | – | **no** |" in table
-    assert "| hf/assisted | 2.00 | – | 1.00x | 1.00x | – | – | – | – | yes |" in table
+    assert ("| configuration | tokens/s | decode tokens/s | first token s | tau | vs ours/no-spec | vs HF assisted | "
+            "vs llama.cpp (decode) | vs llama.cpp (end to end) |") in table
+    assert "| ours/specinfer | 4.00 | – | – | 4.00 | 2.00x | 2.00x | – | – | – | – | – | yes |" in table
+    assert "| ours/specinfer | 2.00 | – | – | 2.00 | 1.00x | 2.00x | – | – | – | – | – | **no** |" in table
+    assert "| hf/assisted | 2.00 | – | – | – | 1.00x | 1.00x | – | – | – | – | – | yes |" in table
 
 
 def test_fixed_tree_run_compares_with_ours_without_speculation():
@@ -53,30 +54,43 @@ def test_fixed_tree_run_compares_with_ours_without_speculation():
     assert spec["batch-4"]["identical"] is True and spec["code"]["vs_hf_assisted"] is None
     table = markdown(res)
     assert "fixed trees (adaptive budget off)" in table and "identical to ours/no-spec |" in table
-    assert "| ours/specinfer | 8.00 | 3.00 | 2.00x | – | – | – | – | – | yes |" in table
+    assert "| ours/specinfer | 8.00 | – | – | 3.00 | 2.00x | – | – | – | – | – | – | yes |" in table
 
 
-def test_llama_cpp_row_weights_bound_and_rss_columns():
-    """With ``--llama-bench`` and ``--dtypes`` the single-prompt tables carry llama.cpp's plain decode as the anchor
-    row, each configuration's ratio to it, its weight bytes, its bandwidth bound and its RSS."""
-    from specstream.pipeline.bench.spec_real import parse_llama_bench
+def test_llama_cpp_rows_compare_decode_with_decode_and_end_to_end_with_end_to_end():
+    """With ``--llama-bench`` and ``--dtypes`` the single-prompt tables carry llama.cpp as the anchor row. Its
+    plain decode (``-p 0 -n N``) is compared with our rate after the first token, and its end-to-end rate
+    (prompt processing of the same length, ``-p P``, plus decoding) with ours end to end. Before, our end-to-end
+    rate, prefill included, was divided by llama.cpp's decode-only rate. The row also gives weight bytes, the
+    bandwidth bound and RSS."""
+    from specstream.pipeline.bench.spec_real import llama_end_to_end, parse_llama_bench
 
-    text = ('build: 1 (abc) with cc\n[\n  {"model_filename": "t.gguf", "n_prompt": 0, "n_gen": 4, '
-            '"avg_ts": 8.75, "stddev_ts": 0.1}\n]\n')
-    assert parse_llama_bench(text) == 8.75
+    text = ('build: 1 (abc) with cc\n[\n  {"model_filename": "t.gguf", "n_prompt": 48, "n_gen": 0, "avg_ts": 96.0},'
+            '\n  {"model_filename": "t.gguf", "n_prompt": 0, "n_gen": 4, "avg_ts": 8.75, "stddev_ts": 0.1}\n]\n')
+    assert parse_llama_bench(text) == {"tg_tok_s": 8.75, "pp_tok_s": {"48": 96.0}}
     with pytest.raises(ValueError, match="no text-generation"):
         parse_llama_bench('[{"n_prompt": 512, "n_gen": 0, "avg_ts": 90.0}]')
+    lb = {"tok_s": 2.0, "pp_tok_s": {"8": 4.0}, "file": "t.gguf", "threads": 2}
+    assert llama_end_to_end(lb, 8, 4) == pytest.approx(4 / (8 / 4.0 + 4 / 2.0))
+    assert llama_end_to_end(lb, 9, 4) is None
     res = _result()
-    res.update(cpu="Test CPU", read_bandwidth=14.7e9, dtypes=["float32", "int4"],
-               llama_bench={"tok_s": 2.0, "file": "t.gguf", "threads": 2})
-    res["configs"]["ours/no-spec@int4"] = {w: {**r, "target_weight_bytes": 2**30, "draft_weight_bytes": 0,
-                                               "no_spec_bound_tok_s": 13.69, "rss_bytes": 3 * 2**29}
+    res.update(cpu="Test CPU", read_bandwidth=14.7e9, dtypes=["float32", "int4"], llama_bench=lb,
+               prompt_tokens={"code": 8, "prose": 9})
+    # 4 tokens in 2.0 s, the first after 0.5 s: 3 tokens decoded in 1.5 s
+    res["configs"]["ours/no-spec@int4"] = {w: {**r, "first_token_s": 0.5, "target_weight_bytes": 2**30,
+                                               "draft_weight_bytes": 0, "no_spec_bound_tok_s": 13.69,
+                                               "rss_bytes": 3 * 2**29}
                                            for w, r in res["configs"]["ours/no-spec"].items()}
     summarize(res)
+    assert res["configs"]["ours/no-spec@int4"]["code"]["decode_tok_s"] == 2.0
     table = markdown(res)
     assert "CPU: Test CPU; measured read bandwidth 14.7 GB/s" in table and "float32, int4" in table
-    assert "| llama.cpp/plain | 2.00 | – | – | – | 1.00x | – | – | – | – |" in table
-    assert "| ours/no-spec@int4 | 2.00 | 1.00 | 1.00x | 1.00x | 1.00x | 1.00 | 13.69 | 1.50 | yes |" in table
+    assert "plain decode 2.00 tokens/s; 8 prompt tokens at 4.0 tokens/s" in table
+    assert "| llama.cpp/plain | 1.00 | 2.00 | – | – | – | – | 1.00x | 1.00x | – | – | – | – |" in table
+    assert ("| ours/no-spec@int4 | 2.00 | 2.00 | 0.50 | 1.00 | 1.00x | 1.00x | 1.00x | 2.00x | 1.00 | 13.69 | 1.50 "
+            "| yes |") in table
+    # prose has no llama.cpp prompt record of its length: no end-to-end anchor
+    assert "| llama.cpp/plain | – | 2.00 | – | – | – | – | 1.00x | – | – | – | – | – |" in table
 
 
 def test_quantized_rows_are_compared_with_no_speculation_at_their_own_dtype():

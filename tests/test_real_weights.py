@@ -296,12 +296,14 @@ def test_quantized_greedy_speculative_equals_same_dtype_without_speculation(real
 
 def test_structured_benchmark_runs_on_the_real_pair(real_pair, real_cache, tmp_path):
     """``specstream bench spec --real --structured`` end to end (it once handed the machine header to xgrammar in
-    place of the vocabulary table and failed before any decoding): float32 (int4 costs a minute more here), 4 tokens, the forced-token
-    drafter against constrained decoding alone. Both configurations give the same tokens, which open each schema's
-    object with its first key, and the grammar's forced tokens are accepted (tau above 1)."""
+    place of the vocabulary table and failed before any decoding): float32 (int4 costs a minute more here), 4
+    tokens, the forced-token drafter against constrained decoding alone. Both configurations give the same
+    tokens, which open each schema's object with its first key, and the grammar's forced tokens are accepted (tau
+    above 1)."""
     env = {**os.environ, "SPECSTREAM_CACHE": str(real_cache)}
-    cmd = [sys.executable, "-m", "specstream", "bench", "spec", "--real", "--structured", "--new-tokens", "4", "--no-batch", "--configs", "constrained/no-spec,constrained/grammar-only",
-           "--no-progress", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "specstream", "bench", "spec", "--real", "--structured", "--new-tokens", "4",
+           "--no-batch", "--configs", "constrained/no-spec,constrained/grammar-only", "--no-progress",
+           "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-2000:]
     res = json.loads((tmp_path / "bench_structured.json").read_text())
@@ -313,7 +315,8 @@ def test_structured_benchmark_runs_on_the_real_pair(real_pair, real_cache, tmp_p
         assert base[wname]["tokens"] == 4
         assert base[wname]["tau"] == 1.0 and forced[wname]["tau"] > 1.0
     # each object's opening and first key as Qwen2.5's ids, greedy at float32 (the review's `{"` is one token)
-    assert base["review"]["outputs"] == [[4913, 423, 8477, 788]] and base["caption"]["outputs"] == [[90, 1, 19210, 788]]
+    assert base["review"]["outputs"] == [[4913, 423, 8477, 788]]
+    assert base["caption"]["outputs"] == [[90, 1, 19210, 788]]
     assert "| constrained/grammar-only | review |" in (tmp_path / "bench_structured.md").read_text()
     bad = subprocess.run([*cmd[:-2], "--configs", "ours/chain-4", "--out", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)

@@ -18,11 +18,14 @@ in one batch of ``2 x prompts`` (two of each). Configurations:
 - ``ours/merged``: the draft and the n-gram drafter merged (SpecInfer's tree).
 
 Each configuration decodes every workload once after a short warm-up; decode wall time excludes loading.
-Reported per workload and configuration: tokens/s, tau (ours: committed tokens per target step), the ratios
-against ``ours/no-spec`` and ``hf/assisted`` of the same workload, and whether every output equals
-``hf/greedy``'s of the same prompt run alone. The host time per step (step wall time minus the time inside model
-forwards, measured with ``torch.profiler`` around ``engine.step`` and each decoder's ``forward_batch``) is measured
-on the batch with SpecInfer's 21-node tree.
+Reported per workload and configuration: tokens/s end to end (prefill included), ours also after the last first
+token (decode tokens/s) and the time to it, tau (ours: committed tokens per target step), the ratios against
+``ours/no-spec`` and ``hf/assisted`` of the same workload, and whether every output equals ``hf/greedy``'s of the
+same prompt run alone. With ``--llama-bench`` the anchor is llama.cpp on the target's GGUF file in the same run:
+its plain decode (``-n N``) against our decode tokens/s, and its end-to-end rate (prompt processing of the
+prompt's length, ``-p P``, plus decoding; :func:`llama_end_to_end`) against our end-to-end rate. The host time
+per step (step wall time minus the time inside model forwards, measured with ``torch.profiler`` around
+``engine.step`` and each decoder's ``forward_batch``) is measured on the batch with SpecInfer's 21-node tree.
 
 The Hugging Face configurations run in a child process that ends before our models load, and our engines are
 loaded one at a time: the float32 HF models (~10 GB) and ours never share the memory.
@@ -182,26 +185,47 @@ def rss_bytes() -> int:
     return 0
 
 
-def parse_llama_bench(text: str) -> float:
-    """Tokens/s of a ``llama-bench -o json`` run's text-generation test (``n_gen > 0``, ``avg_ts``).
+def parse_llama_bench(text: str) -> dict:
+    """Rates of a ``llama-bench -o json`` run: ``{"tg_tok_s": text generation (``n_prompt == 0``, ``n_gen > 0``)
+    tokens/s, "pp_tok_s": {"<prompt tokens>": prompt-processing tokens/s}}`` (``avg_ts`` of each record; the
+    lengths are string keys, as they are after a round trip through the results' JSON).
 
     Raises:
-        ValueError: no such record in ``text``.
+        ValueError: ``text`` has no text-generation record.
     """
     records = json.loads(text[text.index("["):])
-    for rec in records:
-        if rec.get("n_gen", 0) > 0 and rec.get("n_prompt", 0) == 0:
-            return float(rec["avg_ts"])
-    raise ValueError("llama-bench output has no text-generation (-p 0 -n N) record")
+    tg = [float(r["avg_ts"]) for r in records if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0]
+    if not tg:
+        raise ValueError("llama-bench output has no text-generation (-p 0 -n N) record")
+    pp = {str(r["n_prompt"]): float(r["avg_ts"]) for r in records
+          if r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0}
+    return {"tg_tok_s": tg[0], "pp_tok_s": pp}
 
 
-def run_llama_bench(binary: Path, gguf_file: Path, new_tokens: int, threads: int = 2) -> float:
-    """Plain decoding tokens/s of llama.cpp's ``llama-bench`` on ``gguf_file`` (``-t threads -p 0 -n N``)."""
-    cmd = [str(binary), "-m", str(gguf_file), "-t", str(threads), "-p", "0", "-n", str(new_tokens), "-o", "json"]
+def run_llama_bench(binary: Path, gguf_file: Path, new_tokens: int, threads: int = 2,
+                    prompt_tokens: list[int] = ()) -> dict:
+    """llama.cpp's ``llama-bench`` on ``gguf_file``: plain decoding of ``new_tokens`` (``-n``) and, for each
+    length in ``prompt_tokens``, prompt processing (``-p``), with ``threads`` threads (:func:`parse_llama_bench`).
+
+    Raises:
+        RuntimeError: llama-bench exits non-zero.
+    """
+    lengths = ",".join(str(n) for n in sorted({0, *prompt_tokens}))
+    cmd = [str(binary), "-m", str(gguf_file), "-t", str(threads), "-p", lengths, "-n", str(new_tokens), "-o", "json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
     return parse_llama_bench(proc.stdout)
+
+
+def llama_end_to_end(lb: dict, prompt_tokens: int, new_tokens: int) -> float | None:
+    """llama.cpp's end-to-end tokens/s for one request: ``new_tokens`` over prompt processing plus decoding
+    (``prompt_tokens / pp + new_tokens / tg``, from one ``llama-bench`` run); None without a pp record of that
+    length."""
+    pp = lb.get("pp_tok_s", {}).get(str(prompt_tokens))
+    if not pp:
+        return None
+    return new_tokens / (prompt_tokens / pp + new_tokens / lb["tok_s"])
 
 
 def _engine(target: Path, draft: Path, tree: str | None, drafts: str | None, slots: int, max_len: int,
@@ -233,13 +257,17 @@ def run_ours(name: str, target: Path, draft: Path, ids: dict, loads: dict, new_t
     engine.generate([ids[loads[next(iter(loads))][0]]], 2, speculate=speculate)  # warm-up
     per = {}
     for wname, prompts in loads.items():
-        t = time.perf_counter()
+        clock = engine.loop.scheduler.clock  # the clock the scheduler stamps first tokens with
+        t = clock()
         reqs = engine.generate([ids[p] for p in prompts], new_tokens, speculate=speculate)
-        secs = time.perf_counter() - t
+        secs = clock() - t
         outs = [r.output_ids for r in reqs]
+        firsts = [r.stats.first_token_s for r in reqs]
         steps = sum(r.stats.target_steps for r in reqs)
         per[wname] = {"s": secs, "outputs": outs, "tau": sum(map(len, outs)) / max(1, steps),
                       "target_steps": steps}
+        if all(f is not None for f in firsts):
+            per[wname]["first_token_s"] = max(firsts) - t
         per[wname].update(memory)
         log(f"{name} {wname}: {sum(map(len, outs)) / secs:.2f} tokens/s tau={per[wname]['tau']:.2f}")
     del engine
@@ -348,10 +376,13 @@ def run(args) -> dict:
         from specstream.pipeline.models_fetch import fetch_model
 
         gguf_file = gguf_in_dir(fetch_model(TARGET, show_progress=show))
-        tok_s = run_llama_bench(args.llama_bench, gguf_file, args.max_new_tokens, args.threads)
-        results["llama_bench"] = {"tok_s": tok_s, "file": gguf_file.name, "threads": args.threads}
-        log(f"llama.cpp llama-bench {gguf_file.name}: {tok_s:.2f} tokens/s (plain decode, -p 0 -n "
-            f"{args.max_new_tokens})")
+        lb = run_llama_bench(args.llama_bench, gguf_file, args.max_new_tokens, args.threads,
+                             [len(v) for v in ids.values()])
+        results["llama_bench"] = {"tok_s": lb["tg_tok_s"], "pp_tok_s": lb["pp_tok_s"], "file": gguf_file.name,
+                                  "threads": args.threads}
+        pp = ", ".join(f"{n} prompt tokens at {r:.1f} tokens/s" for n, r in lb["pp_tok_s"].items())
+        log(f"llama.cpp llama-bench {gguf_file.name}: {lb['tg_tok_s']:.2f} tokens/s plain decode "
+            f"(-n {args.max_new_tokens}); prompt processing: {pp or 'none'}")
     if args.profile_steps and not args.no_batch:
         batch = [ids[p] for p in loads[f"batch-{2 * len(names)}"]]
         results["host_time"] = host_time_per_step(target, draft, batch, args.profile_steps)
@@ -384,6 +415,9 @@ def summarize(results: dict) -> None:
             tokens = sum(len(o) for o in rec["outputs"])
             rec["tokens"] = tokens
             rec["tok_s"] = tokens / rec["s"] if rec["s"] > 0 else 0.0
+            first = rec.get("first_token_s")
+            if first is not None and rec["s"] > first:  # every prompt prefilled: the decode rate alone
+                rec["decode_tok_s"] = (tokens - len(rec["outputs"])) / (rec["s"] - first)
             if reference is not None:
                 prompts = results["workloads"][wname]
                 rec["identical"] = all(out == reference.get(p) for out, p in zip(rec["outputs"], prompts))
@@ -412,31 +446,41 @@ def markdown(results: dict) -> str:
                   + ("" if "native_bf16" not in results else
                      f"; native bf16: {'yes' if results['native_bf16'] else 'no (AVX2: kernels convert in software)'}")
                   + ".", ""]
-    if "llama_bench" in results:
-        lb = results["llama_bench"]
-        lines += [f"llama.cpp `llama-bench` on {lb['file']} ({lb['threads']} threads, plain decode): "
-                  f"{lb['tok_s']:.2f} tokens/s.", ""]
-    header = ["configuration", "tokens/s", "tau", "vs ours/no-spec", "vs HF assisted", "vs llama.cpp",
-              "weights GiB (target+drafts)", "bound tokens/s (no-spec)", "RSS GiB", f"identical to {ref}"]
+    lb = results.get("llama_bench")
+    if lb:
+        pp = "".join(f"; {n} prompt tokens at {r:.1f} tokens/s" for n, r in lb.get("pp_tok_s", {}).items())
+        lines += [f"llama.cpp `llama-bench` on {lb['file']} ({lb['threads']} threads): plain decode "
+                  f"{lb['tok_s']:.2f} tokens/s{pp}. Its end-to-end rate for a prompt is the new tokens over "
+                  f"prompt processing plus decoding; ours are measured end to end (tokens/s) and after the last "
+                  f"first token (decode tokens/s).", ""]
+    header = ["configuration", "tokens/s", "decode tokens/s", "first token s", "tau", "vs ours/no-spec",
+              "vs HF assisted", "vs llama.cpp (decode)", "vs llama.cpp (end to end)", "weights GiB (target+drafts)",
+              "bound tokens/s (no-spec)", "RSS GiB", f"identical to {ref}"]
     for wname, prompts in results["workloads"].items():
         rows = []
-        if "llama_bench" in results and len(prompts) == 1:
-            rows.append(["llama.cpp/plain", f"{results['llama_bench']['tok_s']:.2f}", "–", "–", "–", "1.00x", "–",
-                         "–", "–", "–"])
+        single = len(prompts) == 1
+        lb_e2e = (llama_end_to_end(lb, results.get("prompt_tokens", {}).get(prompts[0], 0), results["new_tokens"])
+                  if lb and single else None)
+        if lb and single:
+            rows.append(["llama.cpp/plain", f"{lb_e2e:.2f}" if lb_e2e else "–", f"{lb['tok_s']:.2f}", "–", "–",
+                         "–", "–", "1.00x", "1.00x" if lb_e2e else "–", "–", "–", "–", "–"])
         for name, per in results["configs"].items():
             rec = per.get(wname)
             if rec is None:
                 continue
             tau = f"{rec['tau']:.2f}" if "tau" in rec else "–"
             same = {True: "yes", False: "**no**", None: "–"}[rec.get("identical")]
-            lb = results.get("llama_bench", {}).get("tok_s")
-            vs_lb = fmt_ratio(rec["tok_s"] / lb) if lb and len(prompts) == 1 else "–"
+            decode = rec.get("decode_tok_s")
+            vs_lb = fmt_ratio(decode / lb["tok_s"]) if lb and single and decode else "–"
+            vs_lb_e2e = fmt_ratio(rec["tok_s"] / lb_e2e) if lb_e2e else "–"
             gib = (f"{(rec['target_weight_bytes'] + rec['draft_weight_bytes']) / 2**30:.2f}"
                    if "target_weight_bytes" in rec else "–")
             bound = f"{rec['no_spec_bound_tok_s']:.2f}" if "no_spec_bound_tok_s" in rec else "–"
             rss = f"{rec['rss_bytes'] / 2**30:.2f}" if rec.get("rss_bytes") else "–"
-            rows.append([name, f"{rec['tok_s']:.2f}", tau, fmt_ratio(rec["vs_no_spec"]),
-                         fmt_ratio(rec["vs_hf_assisted"]), vs_lb, gib, bound, rss, same])
+            first = f"{rec['first_token_s']:.2f}" if rec.get("first_token_s") is not None else "–"
+            rows.append([name, f"{rec['tok_s']:.2f}", f"{decode:.2f}" if decode else "–", first, tau,
+                         fmt_ratio(rec["vs_no_spec"]), fmt_ratio(rec["vs_hf_assisted"]), vs_lb, vs_lb_e2e, gib,
+                         bound, rss, same])
         lines += [f"**{wname}** ({', '.join(prompts)})", "", *md_table(header, rows), ""]
     host = results.get("host_time")
     if host:

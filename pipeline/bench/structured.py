@@ -125,12 +125,13 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
         configs: names of :data:`CONFIGS` to run (default: all); ``constrained/no-spec`` is the ratios' baseline.
         dtype: weight precision of target and draft (``float32``, ``bfloat16``, ``int8``, ``int4``; see
             ``docs/models.md``).
-    Returns ``{"configs": {name: {workload: record}}, "new_tokens", "batch", "dtype"}``.
+    Returns ``{"configs": {name: {workload: record}}, "new_tokens", "batch", "dtype", "target_weight_bytes"}``.
     Raises:
         ValueError: a name in ``configs`` that is not one of :data:`CONFIGS`.
     """
     import jsonschema
 
+    from specstream.kernels.quant import weight_bytes
     from specstream.stages.speculative.drafters.model import TreeSpec
     from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
     from specstream.stages.speculative.grammar import Grammar
@@ -150,6 +151,7 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
         engine = SpeculativeEngine.from_checkpoints(target, [draft] if with_draft else [], config=config,
                                                     dtype=dtype)
         gd = engine.executor.grammar_drafter
+        results.setdefault("target_weight_bytes", weight_bytes(engine.executor.target))  # one target for all
 
         def generate(names):
             reqs = []
@@ -186,7 +188,8 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
                 jsonschema.validate(json.loads(decode([t for t in out if t not in eos])), prompts[n][1])
                 valid += 1
             per[wname] = {
-                "s": secs, "tokens": committed, "tok_s": committed / secs, "tau": committed / max(1, row_steps),
+                "s": secs, "requests": len(names), "tokens": committed, "tok_s": committed / secs,
+                "tau": committed / max(1, row_steps),
                 "steps": steps, "outputs": outs, "valid": valid, "cut": cut,
                 "forced_proposed": (gd.proposed - p0) if gd is not None else 0, "forced_accepted": forced_acc,
                 "forced_share": forced_acc / accepted_draft if accepted_draft > 0 else 0.0,
@@ -213,12 +216,21 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
 def markdown(results: dict) -> str:
     """The results as one markdown table."""
     machine = ""
+    bound = None
     if "cpu" in results:
         machine = (f" CPU: {results['cpu']}; read bandwidth {results['read_bandwidth_gbs']:.1f} GB/s "
                    f"({results['threads']} threads).")
-    header = ["config", "workload", "tokens/s", "vs no-spec", "tau", "forced share of accepted",
+        if results.get("target_weight_bytes"):
+            # one target forward per token reads every weight once: the no-speculation decode bound
+            bound = results["read_bandwidth_gbs"] * 1e9 / results["target_weight_bytes"]
+            machine += (f" Target weights {results['target_weight_bytes'] / 2**30:.2f} GiB: one token per target "
+                        f"forward is bound at {bound:.1f} tokens/s per request (a batch of B: B times that).")
+    header = ["config", "workload", "tokens/s", "of bound", "vs no-spec", "tau", "forced share of accepted",
               "constraint ms/step (share)", "mask ms/step", "identical", "valid / cut"]
-    rows = [[cname, wname, f"{r['tok_s']:.2f}", f"{r.get('vs_no_spec', 1.0):.2f}x", f"{r['tau']:.2f}",
+    def share(r: dict) -> str:  # of the bound of its batch: one forward gives each request a token
+        return f"{100 * r['tok_s'] / (bound * r.get('requests', 1)):.0f} %" if bound else "-"
+
+    rows = [[cname, wname, f"{r['tok_s']:.2f}", share(r), f"{r.get('vs_no_spec', 1.0):.2f}x", f"{r['tau']:.2f}",
              f"{r['forced_share']:.2f} ({r['forced_accepted']}/{r['forced_proposed']} proposed)",
              f"{1000 * r['constraint_s_per_step']:.2f} ({100 * r['constraint_share']:.1f}%)",
              f"{1000 * r['mask_s_per_step']:.2f}", r.get('identical', '-'), f"{r['valid']} / {r['cut']}"]
