@@ -281,15 +281,20 @@ class Int4Linear(nn.Module):
     """``y = x W^T + b`` with int4 weights in asymmetric groups (inference only).
 
     Shapes: ``x`` ``[..., in_features]`` (cast to bfloat16) -> ``[..., out_features]`` bfloat16.
-    Buffers: ``packed`` (the kernel's layout), ``scales_and_zeros`` ``[K / g, N, 2]`` bfloat16, ``bias``.
-    ``rows`` (embedding lookups) works on the CPU layout with ``N`` a multiple of 64; other layers keep a
-    separate row-major nibble copy only when used as an embedding (:meth:`enable_rows`).
+    Buffers: ``packed`` (the kernel's layout), ``scales_and_zeros`` ``[K / g, N, 2]`` bfloat16 (None in the
+    ``vnni`` layout, which holds them itself), ``bias``.
+    ``layout`` is ``"vnni"`` (this project's AVX-512 VNNI kernel, :mod:`specstream.kernels.int4_vnni`, chosen when
+    it is available and the shape fits) or ``"torch"`` (PyTorch's packed kernel).
+    ``rows`` (embedding lookups) works on the ``vnni`` layout and on the CPU ``torch`` layout with ``N`` a
+    multiple of 64; other layers keep a separate row-major nibble copy only when used as an embedding
+    (:meth:`enable_rows`).
     """
 
-    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
-                 in_features: int, out_features: int, group_size: int):
+    def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor | None, bias: torch.Tensor | None,
+                 in_features: int, out_features: int, group_size: int, layout: str = "torch"):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.layout = layout
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
@@ -300,8 +305,13 @@ class Int4Linear(nn.Module):
                    group_size: int, check: bool = True, rows: bool = False) -> "Int4Linear":
         """Pack codes ``q`` ``[N, K]`` (0..15) with their ``scales_and_zeros``; ``rows``: prepare embedding
         lookups (checked against ``q``)."""
+        from specstream.kernels import int4_vnni
+
         n, k = q.shape
-        layer = cls(_pack_int4(q), scales_and_zeros.contiguous(), bias, k, n, group_size)
+        if int4_vnni.supports(n, k, group_size, q.device):
+            layer = cls(int4_vnni.pack(q, scales_and_zeros), None, bias, k, n, group_size, layout="vnni")
+        else:
+            layer = cls(_pack_int4(q), scales_and_zeros.contiguous(), bias, k, n, group_size)
         if check:
             check_kernel(layer, dequantize_int4(q, scales_and_zeros), bias)
         if rows:
@@ -319,6 +329,11 @@ class Int4Linear(nn.Module):
         """Make :meth:`rows` work: gather from the packed bytes when the layout allows (checked on three
         blocks against the codes ``q``), else keep a row-major nibble copy."""
         n, k = q.shape
+        if self.layout == "vnni":
+            picks = torch.tensor(sorted({0, n // 2, n - 1}))
+            if not torch.equal(self._codes(picks), q[picks].to(torch.uint8)):
+                raise QuantKernelError(f"Int4Linear {tuple(q.shape)}: the vnni layout does not give back its codes")
+            return
         if self.packed.device.type == "cpu" and n % _INT4_BLOCK_ROWS == 0:
             self.row_codes = None
             picks = sorted({0, n // 2, n - 1})
@@ -330,6 +345,10 @@ class Int4Linear(nn.Module):
     def _codes(self, ids: torch.Tensor) -> torch.Tensor:
         """Codes ``[*ids.shape, K]`` uint8 of rows ``ids``."""
         k = self.in_features
+        if self.layout == "vnni":
+            from specstream.kernels import int4_vnni
+
+            return int4_vnni.codes(self.packed, ids)
         if self.row_codes is not None:
             b = self.row_codes[ids]
             return torch.stack([b & 15, b >> 4], -1).reshape(*ids.shape, k)
@@ -343,6 +362,12 @@ class Int4Linear(nn.Module):
         """The float32 weights ``[N, K]`` this layer multiplies with: exact from the codes when rows can be
         gathered (:meth:`enable_rows`, or N % 64 == 0 on the CPU), else the kernel's product with the identity
         (each weight rounded to bfloat16)."""
+        if self.layout == "vnni":
+            ids = torch.arange(self.out_features)
+            s, z = self._scales_zeros(ids)
+            g = self.group_size
+            return (self._codes(ids).float() - 8.0) * s.float().repeat_interleave(g, -1) + \
+                z.float().repeat_interleave(g, -1)
         if self.row_codes is None and (self.out_features % _INT4_BLOCK_ROWS or self.packed.device.type != "cpu"):
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
             bias = self.bias
@@ -357,7 +382,11 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        if self.packed.device.type == "cpu":
+        if self.layout == "vnni":
+            from specstream.kernels import int4_vnni
+
+            y = int4_vnni.mm(x2, self.packed)
+        elif self.packed.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
@@ -369,14 +398,22 @@ class Int4Linear(nn.Module):
         """Rows ``ids`` (any shape) of the de-quantized weight, bfloat16 ``[*ids.shape, K]``."""
         q = self._codes(ids).float()
         g = self.group_size
+        s, z = self._scales_zeros(ids)
+        return ((q - 8.0) * s.float().repeat_interleave(g, -1) + z.float().repeat_interleave(g, -1)).to(
+            torch.bfloat16)
+
+    def _scales_zeros(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and zeros ``[*ids.shape, K / g]`` bfloat16 of output channels ``ids``."""
+        if self.layout == "vnni":
+            from specstream.kernels import int4_vnni
+
+            return int4_vnni.scales_zeros(self.packed, ids)
         sz = self.scales_and_zeros[:, ids]  # [G, *ids, 2]
-        s = sz[..., 0].movedim(0, -1).float().repeat_interleave(g, -1)
-        z = sz[..., 1].movedim(0, -1).float().repeat_interleave(g, -1)
-        return ((q - 8.0) * s + z).to(torch.bfloat16)
+        return sz[..., 0].movedim(0, -1), sz[..., 1].movedim(0, -1)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of "
-                f"{self.group_size}")
+                f"{self.group_size}, layout={self.layout}")
 
 
 class QuantEmbedding(nn.Module):
@@ -453,7 +490,8 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     """One quantized layer whose output is the concatenation of ``layers``' outputs (``q``/``k``/``v`` or
     ``gate``/``up`` projections of one input): one packed product, one pass over the activations, one bias add.
 
-    Int8: the ``[N, K]`` weights and scales are concatenated. Int4 on the CPU: the packed layout holds 64-row
+    Int8: the ``[N, K]`` weights and scales are concatenated. Int4 in the ``vnni`` layout: its blocks of 16
+    channels concatenate. Int4 in PyTorch's CPU layout: the packed layout holds 64-row
     blocks one after another (:func:`int4_nibble_map`), so for output sizes that are multiples of 64 the packed
     bytes concatenate along the rows, and ``scales_and_zeros`` along its ``N`` dimension. The fused layer must
     reproduce the separate layers bit for bit on a probe input, else None is returned (the caller keeps them).
@@ -468,7 +506,12 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     first = layers[0]
     if isinstance(first, Int8Linear):
         fused = Int8Linear(torch.cat([l.qweight for l in layers]), torch.cat([l.scales for l in layers]), bias)
-    elif isinstance(first, Int4Linear):
+    elif isinstance(first, Int4Linear) and all(l.layout == "vnni" for l in layers):
+        if len({l.group_size for l in layers}) != 1:
+            return None
+        fused = Int4Linear(torch.cat([l.packed for l in layers]), None, bias, first.in_features,
+                           sum(l.out_features for l in layers), first.group_size, layout="vnni")
+    elif isinstance(first, Int4Linear) and all(l.layout == "torch" for l in layers):
         if (first.packed.device.type != "cpu" or len({l.group_size for l in layers}) != 1
                 or any(l.out_features % _INT4_BLOCK_ROWS or l.packed.shape[0] != l.out_features
                        or l.row_codes is not None for l in layers)):

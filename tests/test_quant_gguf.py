@@ -70,7 +70,8 @@ def test_q4_0_file_converts_to_int4_from_blocks_and_q8_0_requantizes_with_a_log_
     assert how["model.layers.0.mlp.down_proj.weight"] == "Q4_0 blocks -> int4 g32"
     assert how["model.norm.weight"] == "F32 -> float32"
     model = load_decoder(ck, "int4")
-    assert isinstance(model.model.layers[1].mlp.up_proj, Int4Linear)
+    mlp = model.model.layers[1].mlp
+    assert isinstance(mlp.gate_up_proj if mlp.gate_up_proj is not None else mlp.up_proj, Int4Linear)
     # the layer multiplies with exactly the file's Q4_0 codes
     import gguf
     from gguf.quants import dequantize
@@ -78,7 +79,6 @@ def test_q4_0_file_converts_to_int4_from_blocks_and_q8_0_requantizes_with_a_log_
 
     raw = next(t for t in GGUFReader(q4).tensors if t.name == "blk.1.ffn_up.weight")
     want = np.asarray(dequantize(raw.data, raw.tensor_type), dtype=np.float32)
-    mlp = model.model.layers[1].mlp
     if mlp.gate_up_proj is not None:  # fused at load: [gate; up] rows
         got = mlp.gate_up_proj.dequantized()[mlp.down_proj.in_features:].numpy()
     else:

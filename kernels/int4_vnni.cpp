@@ -1,0 +1,167 @@
+// Int4 weight x int8 activation products on AVX-512 VNNI CPUs (specstream.kernels.int4_vnni).
+//
+// The idea is llama.cpp's for its Q4 x Q8 dot products: quantize each activation row to int8 once per call, one
+// scale per group of 32 columns (as llama.cpp's Q8_0 blocks), multiply the 4-bit weight codes with it in integer
+// arithmetic (VPDPBUSD: unsigned byte x signed byte, four products summed into each int32 lane), and apply the
+// float scales once per group. The weights are interleaved by blocks of 16 output channels, in the manner of
+// llama.cpp's repacked "4x8" / "8x8" CPU layouts: one 512-bit register holds 4 columns of 16 channels, so the
+// int32 lanes are output channels and an activation enters as 4 bytes broadcast to every lane. No horizontal
+// sums are needed, and the unpacked codes of a block are used for up to 8 activation rows at a time, so an extra
+// row (a token-tree node, a request of a batch) costs about 12 instructions per 512 weights.
+//
+// Layouts (contiguous):
+//   codes  [N/16, K/32, 4, 64] uint8  block b, group g, quarter j: byte 4c + i holds, for channel 16b + c,
+//                                      column 32g + 8j + i in its low nibble and 32g + 8j + 4 + i in its high one
+//   scales [N/16, K/32, 16] bf16       w = (q - 8) * scale + zero, q in 0..15 (PyTorch's int4 convention)
+//   zeros  [N/16, K/32, 16] bf16
+//   x      [M, K] bf16                 -> y [M, N] bf16
+//
+// Row invariance: every activation row goes through the same instructions in the same order whatever M is and
+// whichever rows share its tile, and threads split output channels only (never K), so a row's result does not
+// depend on the rows beside it. Speculative verification relies on this: the target's bits for a token are the
+// same in a tree of 21 nodes and alone.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int64_t kGroup = 32;   // input columns per scale (weights and activations)
+constexpr int64_t kLanes = 16;   // output channels per block
+constexpr int kMaxTile = 8;      // activation rows per pass over a block's codes
+constexpr int64_t kGroupBytes = 320;  // one group of a block: 256 bytes of codes, 16 bf16 scales, 16 bf16 zeros
+constexpr int64_t kPrefetchGroups = 8;  // software prefetch distance (groups of one block ahead)
+
+inline __m512 bf16x16(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// 16 floats -> 16 bf16, round to nearest even (PyTorch's conversion, NaNs kept NaN)
+inline void store_bf16x16(uint16_t* p, __m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+// One activation row: codes q [K] int8, per group of 32 the scale d[g] = amax / 127 and the scaled code sum
+// gsum[g] = d[g] * sum(q in g) (the zero-point term).
+void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* d, float* gsum) {
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const __m512 v0 = bf16x16(x + g * kGroup), v1 = bf16x16(x + g * kGroup + 16);
+    const bool nan = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+    const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    // a NaN in the group makes its scale NaN (the output NaN, as a float kernel gives); below 127 / FLT_MAX
+    // the inverse would overflow, and such a group counts as zero
+    const float dd = nan ? std::numeric_limits<float>::quiet_NaN() : m / 127.0f;
+    const __m512 inv = _mm512_set1_ps(!nan && m > 127.0f / std::numeric_limits<float>::max() ? 127.0f / m : 0.0f);
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));  // round to nearest even (MXCSR default)
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup), _mm512_cvtsepi32_epi8(i0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup + 16), _mm512_cvtsepi32_epi8(i1));
+    d[g] = dd;
+    gsum[g] = nan ? dd : dd * float(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
+  }
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// One block of 16 output channels for R activation rows: out[r * o_stride + c], float.
+template <int R>
+inline void block(const uint8_t* w, const int8_t* xq, const float* xd, const float* xg, int64_t K, float* out,
+                  int64_t o_stride) {
+  const int64_t G = K / kGroup;
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  const __m512 eight = _mm512_set1_ps(8.0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = w + g * kGroupBytes;
+    for (int l = 0; l < 5; ++l)  // the group kPrefetchGroups ahead (5 cache lines)
+      _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchGroups * kGroupBytes + 64 * l), _MM_HINT_T0);
+    __m512i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(wg + j * 64);
+      lo[j] = _mm512_and_si512(v, nib);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(wg + 256);
+    const __m512 sc = bf16x16(sz);
+    const __m512 off = _mm512_fmsub_ps(eight, sc, bf16x16(sz + kLanes));  // w = scale * q - off
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = xq + r * K + g * kGroup;
+      __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        a = _mm512_dpbusd_epi32(a, lo[j], bcast4(x + 8 * j));
+        b = _mm512_dpbusd_epi32(b, hi[j], bcast4(x + 8 * j + 4));
+      }
+      const __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(a, b));
+      acc[r] = _mm512_fmadd_ps(t, _mm512_mul_ps(sc, _mm512_set1_ps(xd[r * G + g])), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(xg[r * G + g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * o_stride, acc[r]);
+}
+
+using BlockFn = void (*)(const uint8_t*, const int8_t*, const float*, const float*, int64_t, float*, int64_t);
+constexpr BlockFn kBlocks[kMaxTile] = {block<1>, block<2>, block<3>, block<4>, block<5>, block<6>, block<7>,
+                                       block<8>};
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "int4_vnni: ", what); }
+
+}  // namespace
+
+// y [M, N] bf16 = x [M, K] bf16 @ ((codes - 8) * scales + zeros)^T, layout above
+torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed) {
+  check(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
+  check(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
+        "x must be [M, K] contiguous bf16");
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  check(K % kGroup == 0, "K must be a multiple of 32");
+  check(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+            packed.size(1) == G && packed.size(2) == kGroupBytes,
+        "packed must be [N/16, K/32, 320] contiguous uint8");
+  const int64_t B = packed.size(0), N = B * kLanes;
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto xd = torch::empty({M, G}, x.options().dtype(torch::kFloat));
+  auto xg = torch::empty({M, G}, x.options().dtype(torch::kFloat));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  int8_t* xqp = xq.data_ptr<int8_t>();
+  float* xdp = xd.data_ptr<float>();
+  float* xgp = xg.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, xqp + m * K, xdp + m * G, xgp + m * G);
+  });
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    float tile[kMaxTile * kLanes];
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* wb = wp + b * G * kGroupBytes;
+      for (int64_t m = 0; m < M; m += kMaxTile) {
+        const int rows = int(std::min<int64_t>(kMaxTile, M - m));
+        kBlocks[rows - 1](wb, xqp + m * K, xdp + m * G, xgp + m * G, K, tile, kLanes);
+        for (int r = 0; r < rows; ++r)
+          store_bf16x16(yp + (m + r) * N + b * kLanes, _mm512_loadu_ps(tile + r * kLanes));
+      }
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_mm", &int4_mm, "y[M,N] bf16 = x[M,K] bf16 @ ((codes - 8) * scales + zeros)^T (AVX-512 VNNI)");
+}

@@ -1,0 +1,197 @@
+"""The int4 x int8 product of this project's own on AVX-512 VNNI CPUs (``int4_vnni.cpp``), and its weight layout.
+
+PyTorch's ``_weight_int4pack_mm_for_cpu`` converts the 4-bit codes to float and multiplies in float32, one
+activation row at a time: on this project's 2-core AMD EPYC a 21-row product costs 10x a 1-row one, which is
+what token-tree verification and batches pay. The kernel here follows llama.cpp's Q4 x Q8 dot products instead
+(activations quantized to int8 in groups of 32, integer products with VPDPBUSD, float scales once per group) on
+weights interleaved by blocks of 16 output channels (llama.cpp's repacked CPU layouts), so a block's codes are
+unpacked once for up to 8 rows. Measured against PyTorch's kernel on Qwen2.5-1.5B's shapes, weights cold in
+memory (``docs/benchmarks.md``): about the same speed for 1 row, 2x faster for 21.
+
+The product is row-invariant (a row's bits do not depend on the other rows of the call), which speculative
+verification needs; ``tests/test_int4_vnni.py`` checks it bit for bit.
+
+The C++ source is compiled once per machine by ``torch.utils.cpp_extension`` (about 25 s, cached under
+``~/.cache/torch_extensions``) on first use. Without AVX-512 VNNI, a compiler or ninja, or with
+``SPECSTREAM_INT4_KERNEL=torch``, :func:`available` is False and :class:`~specstream.kernels.quant.Int4Linear`
+keeps PyTorch's kernel; ``SPECSTREAM_INT4_KERNEL=vnni`` makes that an error instead. Layers the kernel does not
+fit (groups other than 32, ``N`` not a multiple of 16, a device other than the CPU) use PyTorch's kernel whatever
+the choice.
+
+Layout (:func:`pack`): ``[N / 16, K / 32, 320]`` uint8. For block ``b`` and group ``g``, bytes 0..255 are four
+quarters of 64 bytes: byte ``4c + i`` of quarter ``j`` holds column ``32g + 8j + i`` of channel ``16b + c`` in its
+low nibble and column ``32g + 8j + 4 + i`` in its high one; bytes 256..287 are the 16 channels' bfloat16 scales
+and 288..319 their zeros (``w = (q - 8) * scale + zero``, PyTorch's int4 convention).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("specstream.kernels")
+
+#: channels per block and columns per group of the layout
+LANES, GROUP = 16, 32
+#: CPU flags (``/proc/cpuinfo``) the compiled kernel needs
+REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"]
+_SOURCE = Path(__file__).with_name("int4_vnni.cpp")
+_NAME = "specstream_int4_vnni"
+
+
+class Int4KernelUnavailable(RuntimeError):
+    """``SPECSTREAM_INT4_KERNEL=vnni`` was asked for and the kernel cannot run here (the message says why)."""
+
+
+def _choice() -> str:
+    choice = os.environ.get("SPECSTREAM_INT4_KERNEL", "auto").strip().lower()
+    if choice not in ("auto", "vnni", "torch"):
+        raise ValueError(f"SPECSTREAM_INT4_KERNEL={choice!r}: expected auto, vnni or torch")
+    return choice
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+#: a build lock older than this is a killed build's (a build takes about 25 s); PyTorch would wait on it forever
+STALE_LOCK_S = 600.0
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``build_dir/lock`` when it is older than ``max_age_s`` (a build killed while holding it: PyTorch's
+    ``FileBaton`` waits on a lock with no timeout). Returns True when one was removed."""
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return False
+    if age <= max_age_s:
+        return False
+    log.warning("removing the stale build lock %s (%.0f s old, left by a killed build)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
+@lru_cache(maxsize=1)
+def _load():
+    """The compiled extension, or the reason it is not available (a str)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    missing = REQUIRED_FLAGS - cpu_flags()
+    if missing:
+        return f"the CPU lacks {', '.join(sorted(missing))}"
+    try:
+        quiet = logging.getLogger("torch.utils.cpp_extension")  # its "No CUDA runtime is found" warning on import
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            from torch.utils.cpp_extension import load
+        finally:
+            quiet.setLevel(level)
+
+        if shutil.which("ninja") is None:  # the pip package's binary, when its venv's bin/ is not on PATH
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+        try:
+            from torch.utils.cpp_extension import _get_build_directory
+
+            clear_stale_lock(Path(_get_build_directory(_NAME, False)))
+        except (ImportError, OSError, TypeError) as exc:  # a private helper of PyTorch's: never fatal
+            log.debug("build lock check skipped: %s", exc)
+        log.info("compiling the int4 VNNI kernel (once per machine, about 25 s): %s", _SOURCE)
+        return load(_NAME, [str(_SOURCE)], extra_cflags=_CFLAGS, verbose=False)
+    except Exception as exc:  # a missing compiler or ninja, a build error: PyTorch's kernel instead
+        return f"building {_SOURCE.name} failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel will not be used (None when it will)."""
+    choice = _choice()
+    if choice == "torch":
+        return "SPECSTREAM_INT4_KERNEL=torch"
+    ext = _load()
+    return ext if isinstance(ext, str) else None
+
+
+def available() -> bool:
+    """True when :class:`Int4Linear` layers use this kernel.
+
+    Raises:
+        Int4KernelUnavailable: ``SPECSTREAM_INT4_KERNEL=vnni`` and the kernel cannot run here.
+    """
+    reason = unavailable_reason()
+    if reason is not None and _choice() == "vnni":
+        raise Int4KernelUnavailable(f"SPECSTREAM_INT4_KERNEL=vnni, but {reason}")
+    return reason is None
+
+
+def supports(out_features: int, in_features: int, group_size: int, device: torch.device | str) -> bool:
+    """True when a ``[out_features, in_features]`` int4 weight in groups of ``group_size`` goes to this kernel."""
+    return (torch.device(device).type == "cpu" and group_size == GROUP and out_features % LANES == 0
+            and in_features % GROUP == 0 and available())
+
+
+def pack(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of codes ``q`` ``[N, K]`` (0..15) and ``scales_and_zeros`` ``[K / 32, N, 2]``:
+    ``[N / 16, K / 32, 320]`` uint8 (module docstring)."""
+    n, k = q.shape
+    b, g = n // LANES, k // GROUP
+    qq = q.to(torch.uint8).reshape(b, LANES, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [b, g, j, c, i, half]
+    codes = (qq[..., 0] | (qq[..., 1] << 4)).reshape(b, g, 256)
+    sz = scales_and_zeros.to(torch.bfloat16).permute(1, 0, 2).reshape(b, LANES, g, 2).permute(0, 2, 3, 1)
+    return torch.cat([codes, sz.contiguous().reshape(b, g, 32).view(torch.uint8)], 2).contiguous()
+
+
+def _channels(packed: torch.Tensor, ids: torch.Tensor, part: slice, dtype: torch.dtype, inner: tuple[int, ...]):
+    """Bytes ``part`` of every group of channels ``ids`` (``ids.numel()`` = n), gathered straight from the blocks
+    (no block copied). The group's bytes are viewed as ``inner``, whose second entry is the 16 lanes; the result
+    is ``[n, K / 32, inner[0], *inner[2:]]``."""
+    b, g = packed.shape[:2]
+    flat = ids.reshape(-1)
+    view = packed[:, :, part].view(dtype).reshape(b, g, *inner)
+    return view[flat // LANES, :, :, flat % LANES]
+
+
+def codes(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Codes ``[*ids.shape, K]`` uint8 (0..15) of output channels ``ids`` of a :func:`pack` layout."""
+    g = packed.shape[1]
+    sel = _channels(packed, ids, slice(0, 256), torch.uint8, (4, LANES, 4))  # [n, g, j, i]
+    return torch.stack([sel & 15, sel >> 4], -2).reshape(*ids.shape, g * GROUP)  # [n, g, j, half, i] -> [n, K]
+
+
+def scales_zeros(packed: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zeros ``[*ids.shape, K / 32]`` bfloat16 of output channels ``ids`` of a :func:`pack` layout."""
+    g = packed.shape[1]
+    sz = _channels(packed, ids, slice(256, 320), torch.bfloat16, (2, LANES))  # [n, g, 2]
+    return sz[..., 0].reshape(*ids.shape, g), sz[..., 1].reshape(*ids.shape, g)
+
+
+def mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[M, K]`` bfloat16 (contiguous) times the weights of ``packed`` (:func:`pack`): ``[M, N]`` bfloat16.
+
+    Raises:
+        Int4KernelUnavailable: the kernel is not available here (:func:`available`).
+    """
+    ext = _load()
+    if isinstance(ext, str):
+        raise Int4KernelUnavailable(ext)
+    return ext.int4_mm(x, packed)

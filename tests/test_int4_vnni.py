@@ -1,0 +1,175 @@
+"""The AVX-512 VNNI int4 kernel (kernels/int4_vnni.py, int4_vnni.cpp): its layout round trip, its product
+against the float32 reference, row invariance bit for bit (what speculative verification relies on), the
+choice between it and PyTorch's kernel, and greedy exactness of an int4 engine on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specstream.kernels import int4_vnni
+from specstream.kernels.quant import KERNEL_TOLERANCE, Int4Linear, dequantize_int4, fuse_linears, quantize_int4
+
+needs_vnni = pytest.mark.skipif(int4_vnni.unavailable_reason() is not None,
+                                reason=f"int4 VNNI kernel unavailable here: {int4_vnni.unavailable_reason()}")
+
+
+def _codes(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    q, sz = quantize_int4(w, 32)
+    return q, sz.to(torch.bfloat16)
+
+
+def _activations(m, k, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, :: max(1, k // 7)] *= 30.0  # outlier channels, as in LLM hidden states
+    return x.bfloat16()
+
+
+def test_layout_round_trip_gives_back_codes_scales_and_zeros():
+    q, sz = _codes(48, 96)
+    packed = int4_vnni.pack(q, sz)
+    assert packed.shape == (3, 3, 320) and packed.dtype == torch.uint8
+    ids = torch.tensor([[0, 17, 47], [31, 16, 15]])
+    assert torch.equal(int4_vnni.codes(packed, ids), q[ids].to(torch.uint8))
+    s, z = int4_vnni.scales_zeros(packed, ids)
+    assert torch.equal(s, sz[..., 0].t()[ids]) and torch.equal(z, sz[..., 1].t()[ids])
+    # the documented byte order: channel 16b + c, column 32g + 8j + i (low) and + 4 (high) at byte 4c + i
+    b, c, g, j, i = 1, 5, 2, 3, 1
+    byte = packed[b, g, 64 * j + 4 * c + i].item()
+    assert byte & 15 == q[16 * b + c, 32 * g + 8 * j + i] and byte >> 4 == q[16 * b + c, 32 * g + 8 * j + 4 + i]
+
+
+@needs_vnni
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (2048, 1536), (1536, 8960), (896, 4864)])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 21])
+def test_product_equals_the_float_reference(n, k, m):
+    q, sz = _codes(n, k, seed=n + k)
+    x = _activations(m, k)
+    y = int4_vnni.mm(x, int4_vnni.pack(q, sz))
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    want = x.float() @ dequantize_int4(q, sz).t()
+    # int8 activations in groups of 32 (amax / 127) cost about 1% of max |y| with outlier channels
+    assert (y.float() - want).abs().max() <= KERNEL_TOLERANCE * want.abs().max()
+
+
+@needs_vnni
+def test_rows_get_the_same_bits_alone_in_a_tree_and_in_any_order():
+    q, sz = _codes(1536, 1536, seed=3)
+    packed = int4_vnni.pack(q, sz)
+    x = _activations(21, 1536, seed=4)
+    full = int4_vnni.mm(x, packed)
+    for i in range(21):  # alone: a 1-row tile
+        assert torch.equal(int4_vnni.mm(x[i:i + 1].contiguous(), packed)[0], full[i])
+    perm = torch.randperm(21, generator=torch.Generator().manual_seed(5))  # other tile neighbours
+    assert torch.equal(int4_vnni.mm(x[perm].contiguous(), packed), full[perm])
+    assert torch.equal(int4_vnni.mm(x[:13].contiguous(), packed), full[:13])  # a tile of 8 and one of 5
+
+
+@needs_vnni
+def test_empty_batch_and_shape_errors():
+    q, sz = _codes(32, 64)
+    packed = int4_vnni.pack(q, sz)
+    assert int4_vnni.mm(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        int4_vnni.mm(torch.zeros(2, 96, dtype=torch.bfloat16), packed)
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        int4_vnni.mm(torch.zeros(2, 64), packed)
+
+
+@needs_vnni
+def test_int4_linear_uses_the_kernel_and_its_embedding_rows_and_fusion():
+    q, sz = _codes(64, 96, seed=9)
+    layer = Int4Linear.from_codes(q, sz, None, 32, rows=True)
+    assert layer.layout == "vnni" and layer.scales_and_zeros is None and layer.row_codes is None
+    ids = torch.tensor([3, 63, 0])
+    want = dequantize_int4(q, sz)
+    assert torch.equal(layer.rows(ids).float(), want[ids].bfloat16().float())
+    assert torch.equal(layer.dequantized(), want)
+    other = Int4Linear.from_codes(*_codes(32, 96, seed=10), None, 32)
+    fused = fuse_linears([layer, other])
+    assert fused is not None and fused.layout == "vnni" and fused.out_features == 96
+    x = _activations(5, 96)
+    assert torch.equal(fused(x), torch.cat([layer(x), other(x)], -1))
+
+
+def test_torch_choice_and_missing_cpu_flags_fall_back_to_pytorchs_kernel(monkeypatch):
+    q, sz = _codes(64, 96, seed=11)
+    monkeypatch.setenv("SPECSTREAM_INT4_KERNEL", "torch")
+    layer = Int4Linear.from_codes(q, sz, None, 32)
+    assert layer.layout == "torch" and layer.scales_and_zeros is not None
+    assert int4_vnni.unavailable_reason() == "SPECSTREAM_INT4_KERNEL=torch"
+
+    monkeypatch.setenv("SPECSTREAM_INT4_KERNEL", "auto")
+    monkeypatch.setattr(int4_vnni, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    int4_vnni._load.cache_clear()
+    try:
+        reason = int4_vnni.unavailable_reason()
+        assert reason is not None and "avx512_vnni" in reason
+        assert Int4Linear.from_codes(q, sz, None, 32).layout == "torch"
+        monkeypatch.setenv("SPECSTREAM_INT4_KERNEL", "vnni")
+        with pytest.raises(int4_vnni.Int4KernelUnavailable, match="lacks .*avx512_vnni"):
+            Int4Linear.from_codes(q, sz, None, 32)
+        monkeypatch.setenv("SPECSTREAM_INT4_KERNEL", "fast")
+        with pytest.raises(ValueError, match="expected auto, vnni or torch"):
+            int4_vnni.available()
+    finally:
+        int4_vnni._load.cache_clear()
+
+
+@needs_vnni
+def test_both_kernels_agree_within_the_kernel_tolerance():
+    q, sz = _codes(896, 4864, seed=12)
+    x = _activations(4, 4864)
+    vnni = int4_vnni.mm(x, int4_vnni.pack(q, sz)).float()
+    ref = torch.ops.aten._weight_int4pack_mm_for_cpu(x, torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        q.to(torch.int32), 1), 32, sz).float()
+    assert (vnni - ref).abs().max() <= KERNEL_TOLERANCE * ref.abs().max()
+    assert not torch.equal(vnni, ref)  # two kernels, two sets of bits: a layer keeps one for every row count
+
+
+@needs_vnni
+def test_an_int4_target_runs_every_linear_on_the_kernel(tiny):
+    """So the int4 exactness tests of test_quant.py (greedy speculative == plain, batched, 120 tokens) run
+    through this kernel on this machine."""
+    from specstream.stages.speculative.models.loader import load_decoder
+
+    model = load_decoder(tiny.target, "int4")
+    layouts = {m.layout for m in model.modules() if isinstance(m, Int4Linear)}
+    assert layouts == {"vnni"}
+
+
+def test_no_ids_give_empty_codes_and_scales():
+    q, sz = _codes(32, 64)
+    packed = int4_vnni.pack(q, sz)
+    none = torch.zeros(0, dtype=torch.long)
+    assert int4_vnni.codes(packed, none).shape == (0, 64)
+    assert int4_vnni.scales_zeros(packed, none)[0].shape == (0, 2)
+
+
+@needs_vnni
+def test_a_nan_reaches_the_output_and_tiny_groups_count_as_zero():
+    q, sz = _codes(32, 64, seed=13)
+    packed = int4_vnni.pack(q, sz)
+    x = _activations(3, 64)
+    x[1, 5] = float("nan")
+    x[2, 32:] = 1e-38  # amax far below 127 / FLT_MAX: the group's inverse scale would overflow
+    y = int4_vnni.mm(x, packed).float()
+    assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2]]).any()
+    want = x[2:, :32].float() @ dequantize_int4(q, sz)[:, :32].t()
+    assert (y[2] - want[0]).abs().max() <= KERNEL_TOLERANCE * want.abs().max()
+
+
+def test_a_killed_builds_lock_is_removed_and_a_live_one_kept(tmp_path):
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not int4_vnni.clear_stale_lock(tmp_path) and lock.exists()  # a build running now
+    old = time.time() - int4_vnni.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert int4_vnni.clear_stale_lock(tmp_path) and not lock.exists()
+    assert not int4_vnni.clear_stale_lock(tmp_path)  # nothing there
