@@ -89,12 +89,13 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
-@lru_cache(maxsize=1)
-def _load():
-    """The compiled extension, or the reason it is not available (a str)."""
+def compile_extension(name: str, source: Path, cflags: list[str], required_flags: frozenset[str], what: str):
+    """Build (once per machine, cached by ``torch.utils.cpp_extension``) and import the C++ extension ``name``
+    from ``source``; returns the module, or the reason it cannot run here (a str): not an x86-64 CPU, a CPU
+    without ``required_flags``, or a failed build (a missing compiler or ninja). ``what`` names it in the log."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    missing = REQUIRED_FLAGS - cpu_flags()
+    missing = required_flags - cpu_flags()
     if missing:
         return f"the CPU lacks {', '.join(sorted(missing))}"
     try:
@@ -114,13 +115,19 @@ def _load():
         try:
             from torch.utils.cpp_extension import _get_build_directory
 
-            clear_stale_lock(Path(_get_build_directory(_NAME, False)))
+            clear_stale_lock(Path(_get_build_directory(name, False)))
         except (ImportError, OSError, TypeError) as exc:  # a private helper of PyTorch's: never fatal
             log.debug("build lock check skipped: %s", exc)
-        log.info("compiling the int4 VNNI kernel (once per machine, about 25 s): %s", _SOURCE)
-        return load(_NAME, [str(_SOURCE)], extra_cflags=_CFLAGS, verbose=False)
-    except Exception as exc:  # a missing compiler or ninja, a build error: PyTorch's kernel instead
-        return f"building {_SOURCE.name} failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+        log.info("compiling the %s (once per machine, about 25 s): %s", what, source)
+        return load(name, [str(source)], extra_cflags=cflags, verbose=False)
+    except Exception as exc:  # a missing compiler or ninja, a build error: the PyTorch path instead
+        return f"building {source.name} failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+
+
+@lru_cache(maxsize=1)
+def _load():
+    """The compiled extension, or the reason it is not available (a str)."""
+    return compile_extension(_NAME, _SOURCE, _CFLAGS, REQUIRED_FLAGS, "int4 VNNI kernel")
 
 
 def unavailable_reason() -> str | None:

@@ -1,9 +1,10 @@
-"""Time the row-invariant attention (canonical_attention) against PyTorch's SDPA, one layer call, Qwen2.5-1.5B's
-head layout (12 query heads, 2 key/value heads, head dim 128), bf16 keys/values, float32 math.
+"""Time the row-invariant attentions (canonical_attention in PyTorch ops, and the C++ row_attention where it
+builds) against PyTorch's SDPA, one layer call, Qwen2.5-1.5B's head layout (12 query heads, 2 key/value heads, head
+dim 128), bf16 keys/values, float32 math. The plan of canonical_attention (once per forward) is not timed.
 
     python scripts/attention_bench.py [--threads 1]
 
-Prints the CPU model and, per (query rows, key columns), the best of 30 calls of each and their ratio.
+Prints the CPU model and, per (query rows, key columns), the best of 30 calls of each and their ratios to SDPA.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from specstream.kernels import row_attention
 from specstream.kernels.tree_attention import attention_bias, canonical_attention, canonical_plan, tree_mask
 
 HQ, HKV, D = 12, 2, 128
@@ -46,7 +48,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{_cpu()}, {args.threads} thread(s)")
-    print("rows  keys  sdpa_ms  canonical_ms  ratio")
+    cpp = row_attention.unavailable_reason() is None
+    if not cpp:
+        print(f"row_attention (C++): not timed, {row_attention.unavailable_reason()}")
+    print("rows  keys  sdpa_ms  canonical_ms  ratio  cpp_ms  ratio")
     for t in (1, 4, 21):
         for prefix in (100, 500, 1000):
             s = prefix + t
@@ -69,7 +74,13 @@ def main() -> None:
             sdpa = _best(lambda: F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias,
                                                                 scale=D**-0.5, enable_gqa=True).bfloat16())
             canon = _best(lambda: canonical_attention(q, k, v, plan, D**-0.5).bfloat16())
-            print(f"{t:4d} {s:5d} {sdpa:8.3f} {canon:13.3f} {canon / sdpa:6.2f}")
+            line = f"{t:4d} {s:5d} {sdpa:8.3f} {canon:13.3f} {canon / sdpa:6.2f}"
+            if cpp:
+                key_pos = torch.arange(s)[None].clone()
+                key_pos[0, prefix:] = pos[0]
+                rk = _best(lambda: row_attention.row_attention(q, k, v, mask, key_pos, D**-0.5).bfloat16())
+                line += f" {rk:7.3f} {rk / sdpa:6.2f}"
+            print(line)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Row invariance of the canonical attention (kernels/tree_attention.py): a query row gets the same bits whether
-its token is decoded alone or verified inside a token tree, beside other rows and slots, over more key columns.
+"""Row invariance of the canonical attention (kernels/tree_attention.py) and of the C++ row-invariant attention
+(kernels/row_attention.py, ``impl="cpp"``): a query row gets the same bits whether its token is decoded alone or
+verified inside a token tree, beside other rows and slots, over more key columns.
 
 This is what greedy exactness at bfloat16 activations (int8/int4 weights) rests on; PyTorch's CPU
 ``scaled_dot_product_attention`` does not have it (the last test shows it on the same inputs)."""
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specstream.kernels import row_attention as cpp
 from specstream.kernels.tree_attention import (
     CANONICAL_BLOCK,
     attention_bias,
@@ -21,6 +23,22 @@ from specstream.kernels.tree_attention import (
 )
 
 D, HKV = 32, 2
+
+#: the implementations under test: PyTorch ops everywhere, the C++ kernel where it builds (AVX-512)
+IMPLS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(cpp.unavailable_reason() is not None,
+                                                               reason=f"{cpp.unavailable_reason()}"))]
+
+
+def _attend(impl, q, k, v, mask, cols, pos, tree_rows, t, key_pos=None):
+    """``[B, Hq, T, D]`` float32 from either implementation (the C++ one orders keys by ``key_pos``: [B, S], by
+    default each column's own index with the call's rows at ``cols`` holding ``pos``)."""
+    if impl == "cpp":
+        if key_pos is None:
+            key_pos = torch.arange(k.shape[2]).repeat(k.shape[0], 1)
+            key_pos.scatter_(1, cols, pos)
+        return cpp.row_attention(q, k, v, mask, key_pos, D**-0.5).transpose(1, 2)
+    plan = canonical_plan(mask, cols, pos, q.shape[1] // k.shape[1], tree_rows, t)
+    return canonical_attention(q, k, v, plan, D**-0.5)
 
 
 def _random_tree(rng: random.Random, size: int) -> list[int]:
@@ -45,7 +63,8 @@ def _ancestors(parents, j):
 class _Case:
     """B slots, each with a committed prefix of random keys/values and a random token tree after it."""
 
-    def __init__(self, seed: int, groups: int, batch: int, max_nodes: int, max_prefix: int):
+    def __init__(self, seed: int, groups: int, batch: int, max_nodes: int, max_prefix: int, impl: str = "torch"):
+        self.impl = impl
         rng = random.Random(seed)
         g = torch.Generator().manual_seed(seed)
         self.groups = groups
@@ -69,8 +88,8 @@ class _Case:
             cols[i, : len(par)] = p + torch.arange(len(par))
         sizes = torch.tensor([len(par) for par in self.parents])
         mask = tree_mask(torch.tensor(self.prefix), anc, sizes, self.s)
-        plan = canonical_plan(mask, cols, pos, self.groups, list(range(b)) if tree_rows else None, self.t)
-        return canonical_attention(self.q, self.k, self.v, plan, D**-0.5), mask
+        return _attend(self.impl, self.q, self.k, self.v, mask, cols, pos, list(range(b)) if tree_rows else None,
+                       self.t), mask
 
     def alone(self, i: int, j: int, extra_keys: int = 0):
         """Node ``j`` of slot ``i`` decoded on its own: its ancestors' keys in position order after the prefix,
@@ -86,8 +105,7 @@ class _Case:
         mask = torch.zeros(1, 1, n + extra_keys, dtype=torch.bool)
         mask[..., :n] = True
         at = torch.tensor([[n - 1]])
-        plan = canonical_plan(mask, at, at, self.groups, [0], 1)
-        return canonical_attention(self.q[i:i + 1, :, j:j + 1], k, v, plan, D**-0.5)[0, :, 0]
+        return _attend(self.impl, self.q[i:i + 1, :, j:j + 1], k, v, mask, at, at, [0], 1)[0, :, 0]
 
 
 CASES = [(seed, groups, batch, nodes, prefix) for seed, (groups, batch, nodes, prefix) in enumerate([
@@ -95,13 +113,14 @@ CASES = [(seed, groups, batch, nodes, prefix) for seed, (groups, batch, nodes, p
     (3, 5, 9, 300)])]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seed,groups,batch,nodes,prefix", CASES)
-def test_a_tree_row_equals_its_token_decoded_alone_bit_for_bit(seed, groups, batch, nodes, prefix, threads):
+def test_a_tree_row_equals_its_token_decoded_alone_bit_for_bit(seed, groups, batch, nodes, prefix, threads, impl):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        case = _Case(seed, groups, batch, nodes, prefix)
+        case = _Case(seed, groups, batch, nodes, prefix, impl)
         out, mask = case.tree_call()
         ref = F.scaled_dot_product_attention(case.q.float(), case.k.float(), case.v.float(),
                                              attn_mask=attention_bias(mask, torch.float32), scale=D**-0.5,
@@ -118,9 +137,10 @@ def test_a_tree_row_equals_its_token_decoded_alone_bit_for_bit(seed, groups, bat
         torch.set_num_threads(before)
 
 
-def test_chain_rows_in_place_equal_the_gathered_tail():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chain_rows_in_place_equal_the_gathered_tail(impl):
     """A prefill chunk (rows in place, no tree rows) gives each row the bits of the gathered-tail path."""
-    case = _Case(11, 6, 2, 1, 150)
+    case = _Case(11, 6, 2, 1, 150, impl)
     case.parents = [list(range(-1, 36)), list(range(-1, 20))]  # chains
     case.t = 37
     case.q = torch.randn(2, HKV * 6, case.t, D).bfloat16()

@@ -7,11 +7,17 @@ columns and an explicit boolean attention mask: that is what token-tree verifica
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import nn
+
+from specstream.kernels.row_attention import available as row_attention_available
+from specstream.kernels.row_attention import row_attention
+from specstream.kernels.row_attention import unavailable_reason as row_attention_reason
 
 from specstream.kernels.tree_attention import (
     CanonicalPlan,
@@ -22,6 +28,8 @@ from specstream.kernels.tree_attention import (
 )
 from specstream.stages.speculative.models.config import DecoderConfig
 from specstream.stages.speculative.models.kv_cache import KVCache
+
+log = logging.getLogger("specstream.models")
 
 
 @dataclass
@@ -64,6 +72,9 @@ class ForwardBatch:
     tree_rows: list[int] | None = None
     tree_width: int = 0
     canonical: CanonicalPlan | None = None  # set by the decoder when ``row_invariant`` applies
+    #: ``[B, S]`` position held by each cache column read, set by the decoder when ``row_invariant`` applies on
+    #: a CPU with the C++ row-invariant attention (:mod:`specstream.kernels.row_attention`; then no plan)
+    row_key_pos: torch.Tensor | None = None
 
     def resolve_reads(self) -> None:
         """Decide once per forward, on the host, how layers read the cache: a slice when the slots are a
@@ -79,6 +90,20 @@ class ForwardBatch:
 #: ``SPECSTREAM_ROW_INVARIANT_ATTENTION=0`` (read once, at import) gives the target SDPA as well, for A/B runs;
 #: greedy speculative output at bf16 activations is then no longer guaranteed to equal plain decoding
 ROW_INVARIANT_ATTENTION = os.environ.get("SPECSTREAM_ROW_INVARIANT_ATTENTION", "1") != "0"
+
+
+@lru_cache(maxsize=1)
+def _row_kernel() -> bool:
+    """Whether the target's CPU forwards use the C++ row-invariant attention, decided once per process (its bits
+    differ from the PyTorch formulation's, so one process keeps one; the first call may compile it, about 25 s).
+
+    Raises:
+        RowAttentionUnavailable: ``SPECSTREAM_ROW_ATTENTION=cpp`` and it cannot run here.
+    """
+    ok = row_attention_available()
+    if not ok:
+        log.info("row-invariant attention in PyTorch ops: %s", row_attention_reason())
+    return ok
 
 
 class RMSNorm(nn.Module):
@@ -135,6 +160,14 @@ class Attention(nn.Module):
         cache.write(self.layer, batch.slots, batch.write_index, k, v)
         keys, values = cache.read(self.layer, batch.read_slots, key_len)
         want = self.layer in batch.attention_layers
+        if batch.row_key_pos is not None:
+            # the C++ row-invariant attention (one call; same guarantee as the canonical one below, other bits)
+            out = row_attention(q, keys, values, mask, batch.row_key_pos, self.head_dim**-0.5)  # [B, T, Hq, D]
+            probs = None
+            if want:
+                _, probs = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias_f32,
+                                          self.head_dim**-0.5, return_probs=True)
+            return self.o_proj(out.to(q.dtype).view(bsz, t, self.num_heads * self.head_dim)), probs
         if batch.canonical is not None:
             # bfloat16 activations: the row-invariant attention, so a token's result does not depend on the rows
             # beside it (a tree, other slots, more key columns); SDPA's last float32 bits do, and bf16 rounding
@@ -286,10 +319,14 @@ class LlamaDecoder(nn.Module):
             mask = mask & window
             mask[:, :, 0] |= ~mask.any(-1)
         batch.attn_bias = attention_bias(mask, x.dtype)
+        batch.canonical = batch.row_key_pos = None  # this forward's own choice, below
         canonical = batch.row_invariant and x.dtype == torch.bfloat16 and ROW_INVARIANT_ATTENTION
         batch.attn_bias_f32 = (batch.attn_bias.float() if x.dtype == torch.bfloat16
                                and (batch.attention_layers or not canonical) else None)
-        if canonical:
+        if canonical and x.device.type == "cpu" and _row_kernel():
+            batch.row_key_pos = cache.positions[batch.read_slots, :key_len]
+            mask = mask.contiguous()
+        elif canonical:
             cfg = self.config
             batch.canonical = canonical_plan(mask, batch.write_index, batch.position_ids,
                                              cfg.num_attention_heads // cfg.num_key_value_heads, batch.tree_rows,
