@@ -80,6 +80,13 @@ class AdaptiveBudget:
         total = hits + self.misses
         return hits / total if total > 1e-9 else self.alpha
 
+    @property
+    def measured_alpha(self) -> float | None:
+        """:attr:`observed_alpha` once a step with drafts was observed; None before."""
+        hits = self.hits - self.prior
+        total = hits + self.misses
+        return hits / total if total > 1e-9 else None
+
     def best_depth(self, depth_cost: float, node_cost: float = 0.0) -> int:
         """The depth (0 = no drafts) with the highest expected tokens per unit of step time."""
         a, gain, best, best_d, expected = self.alpha, 0.0, 1.0, 0, 1.0

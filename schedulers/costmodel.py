@@ -235,56 +235,104 @@ class SpecGate:
     ``i``'s tree cut after depth ``d_i`` (``nodes_i`` nodes, root included) and per-level acceptance ``a_i``,
 
     - tokens per step = ``n + sum_i (a_i + a_i^2 + ... + a_i^d_i)``;
-    - step seconds = ``fixed_s + per_token_s * (extra_tokens + n + sum_i (nodes_i - 1)) + level_s * max_i d_i``;
+    - step seconds = ``fixed_s + per_token_s * (extra_tokens + n + sum_i (nodes_i - 1)) + level_s * max_i d_i
+      + sum_i catch_up_i``;
     - without trees: ``n`` tokens in ``fixed_s + per_token_s * (extra_tokens + n)`` seconds.
 
+    ``catch_up_i`` is what row ``i``'s draft must read before it can draft at all: the committed tokens it has not
+    seen (its whole prompt the first time; the tokens of the steps it did not draft), ``lag_i`` tokens at the
+    draft's seconds per token read. That read is paid once and serves every later step of the request, so a
+    kept tree is charged its share over the steps the request has left at that depth (``remaining_i / (1 +
+    a_i + ... + a_i^d_i)``). At batch 1 a prompt read is a few plain steps' time spread over the answer; at
+    batch 8 it is eight of them, and drafting every row of a fresh batch once, as a fixed warm-up did, cost
+    more than its trees earned (``docs/benchmarks.md``, batch 8).
+
     :meth:`decide` tries every batch-wide depth cap ``D`` (each tree cut after ``min(D, d_i)``), and for each drops
-    the trees whose own gain, accepted tokens per second of their extra verify cost, is below the batch's rate;
-    it keeps the best cap only when it beats no trees by ``min_gain``. When it does not, the step runs without
-    trees, except one probe step (the best cap, for a quarter of the rows that asked, in turn) after
-    ``probe_every`` refused steps; each probe that does not switch speculation back on doubles the wait, up to
-    ``max_probe_every``, so a batch where drafts never pay spends a vanishing share of its steps probing. The same
-    batch-level trade-off as the goodput-based speculation control of SmartSpec (Liu et al. 2024, "Optimizing
-    Speculative Decoding for Serving Large Language Models Using Goodput"), here from this engine's own fitted step
-    costs.
+    the trees whose own gain, accepted tokens per second of their extra verify and catch-up cost, is below the
+    batch's rate; it keeps the best cap only when it beats no trees by ``min_gain``. When it does not, the step
+    runs without trees, except a probe step (the best cap, or one level where no tree was kept, for a quarter of
+    the rows that asked, in turn). A probe runs only where its rows' trees could pay at all, were their drafts
+    always accepted (catch-up included), after at least ``probe_every`` refused steps, and once the refused
+    steps' time, times ``probe_share_of_time``, covers the probe's own extra seconds (its trees' verify, its draft
+    levels, its catch-up reads charged as a kept tree's): so probing costs about that share of the time at most,
+    and nothing where speculation cannot win (a large batch on a CPU). Each probe that does not switch
+    speculation back on doubles the step wait, up to ``max_probe_every``. The same batch-level trade-off as the
+    goodput-based speculation control of SmartSpec (Liu et al. 2024, "Optimizing Speculative Decoding for
+    Serving Large Language Models Using Goodput"), here from this engine's own fitted step costs. Until both costs
+    are measured, :meth:`warmup` drafts one level for one row. A request that has not drafted yet is weighed at
+    the acceptance observed over the other requests' drafted steps (:meth:`row_alphas`).
 
     The decision uses only what is known before the step's drafts are drawn (granted budgets, acceptance of
-    earlier steps, measured costs), so a cut never depends on a drawn value: exact sampling is kept.
+    earlier steps, measured costs, tokens the drafts have read), so a cut never depends on a drawn value: exact
+    sampling is kept.
 
     Args:
         min_gain: least expected speed-up of the trees over a plain step (1.0: any gain).
         probe_every: refused steps before the first probe.
-        max_probe_every: the longest wait between probes.
-        warmup_nodes: rows that draft (one level each) while the costs are not measured yet (:meth:`warmup`):
-            one full tree per request of a large batch on a CPU costs several plain steps, and a deep tree of a
-            useless draft several draft forwards, so the first drafted step is a small one.
+        max_probe_every: the longest wait between probes, in steps.
+        probe_share_of_time: the most of the refused steps' time a probe may cost (0.02: 2 %).
     """
 
     def __init__(self, min_gain: float = 1.02, probe_every: int = 8, max_probe_every: int = 64,
-                 warmup_nodes: int = 16):
-        if min_gain <= 0 or probe_every < 1 or max_probe_every < probe_every or warmup_nodes < 1:
-            raise ValueError("SpecGate: need min_gain > 0, 1 <= probe_every <= max_probe_every, warmup_nodes >= 1")
+                 probe_share_of_time: float = 0.02):
+        if min_gain <= 0 or probe_every < 1 or max_probe_every < probe_every or not 0 < probe_share_of_time <= 1:
+            raise ValueError("SpecGate: need min_gain > 0, 1 <= probe_every <= max_probe_every, "
+                             "0 < probe_share_of_time <= 1")
         self.min_gain = min_gain
-        self.warmup_nodes = warmup_nodes
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
+        self.probe_share_of_time = probe_share_of_time
         self.interval = probe_every
         self.refused = 0
+        #: expected seconds of the steps refused since the last probe (plain steps of their batches)
+        self.refused_s = 0.0
         #: share of the asking rows one probe drafts for (in turn)
         self.probe_share = 0.25
         self._probe_turn = 0
         #: steps decided: with trees, without (refused), probes
         self.counts = {"on": 0, "off": 0, "probe": 0}
+        #: decayed accepted levels and rejections over every request's drafted steps (the workload's acceptance)
+        self._hits, self._misses = 0.0, 0.0
 
-    def warmup(self, rows: list[tuple[int, int, float]], depth_nodes: tuple[int, ...] = ()) -> GateChoice:
-        """Before both costs are measured: one draft level (the cheapest measurement of a level's cost and of
-        the verify cost of extra nodes) for at most ``warmup_nodes`` of the rows that asked for a tree."""
-        keep, taken = [], 0
-        for b, m, _ in rows:
-            take = b > 1 and m > 0 and taken < self.warmup_nodes
-            taken += take
-            keep.append(take)
-        return GateChoice(1 if taken else 0, tuple(keep), False, 0.0, 0.0)
+    def observe(self, num_accepted: int, depth: int) -> None:
+        """Book one row's verified tree (``num_accepted`` of ``depth`` levels accepted) into the workload's
+        acceptance, the prior of requests that have not drafted yet."""
+        if depth <= 0:
+            return
+        self._hits = 0.9 * self._hits + num_accepted
+        self._misses = 0.9 * self._misses + (1.0 if num_accepted < depth else 0.0)
+
+    @property
+    def workload_alpha(self) -> float | None:
+        """Per-level acceptance over the requests' drafted steps so far (None before the first)."""
+        total = self._hits + self._misses
+        return self._hits / total if total > 0 else None
+
+    def row_alphas(self, measured: list[float | None]) -> list[float]:
+        """The acceptance :meth:`decide` weighs per row: the row's own measured one; for a row that has not
+        drafted yet, the workload's (:attr:`workload_alpha`); before anything was measured at all, 1.0 (try) for a
+        quarter of those rows (at least one) and 0.0 for the rest, so the first trees of a fresh batch cost what a
+        probe costs, not a catch-up read of every row's prompt."""
+        prior = self.workload_alpha
+        if prior is not None:
+            return [prior if a is None else a for a in measured]
+        unknown = [i for i, a in enumerate(measured) if a is None]
+        first = set(unknown[:max(1, math.ceil(len(unknown) * self.probe_share))])
+        return [a if a is not None else (1.0 if i in first else 0.0) for i, a in enumerate(measured)]
+
+    def warmup(self, rows: list[tuple[int, int, float]], depth_nodes: tuple[int, ...] = (),
+               lags: list[int] | None = None) -> GateChoice:
+        """Before both costs are measured: one draft level (the cheapest measurement of a level's cost, of a
+        draft token read and of the verify cost of an extra node) for the one row that asked for a tree whose
+        draft has least to read (``lags``: per row, the tokens its draft has not seen; its prompt before its first
+        draft). One row, not the batch: each warmed row's draft reads its whole prompt first, and at batch 8 on a
+        CPU eight prompt reads cost more than a 40-token answer's trees ever earned (``docs/benchmarks.md``)."""
+        lags = lags if lags is not None else [0] * len(rows)
+        asking = [i for i, (b, m, _) in enumerate(rows) if b > 1 and m > 0]
+        if not asking:
+            return GateChoice(0, (False,) * len(rows), False, 0.0, 0.0)
+        first = min(asking, key=lambda i: (lags[i], i))
+        return GateChoice(1, tuple(i == first for i in range(len(rows))), False, 0.0, 0.0)
 
     @staticmethod
     def _shape(budget: int, max_depth: int, cap: int, depth_nodes: tuple[int, ...]) -> tuple[int, int]:
@@ -300,28 +348,33 @@ class SpecGate:
         return (min(budget, nodes_at(depth)), depth) if depth > 0 else (1, 0)
 
     @staticmethod
-    def _rate(gains, keep, shapes, n, fixed_s, per_token_s, level_s, extra_tokens) -> float:
+    def _rate(gains, keep, shapes, n, fixed_s, per_token_s, level_s, extra_tokens, charges) -> float:
         """Expected committed tokens per second of a step (class docstring); ``gains[i][d]`` = row ``i``'s
-        expected accepted tokens at depth ``d``."""
-        tokens, nodes, depth = float(n), extra_tokens + n, 0
-        for g, k, (m, d) in zip(gains, keep, shapes):
+        expected accepted tokens at depth ``d``, ``charges[i]`` its catch-up seconds charged to this step."""
+        tokens, nodes, depth, extra_s = float(n), extra_tokens + n, 0, 0.0
+        for g, k, (m, d), c in zip(gains, keep, shapes, charges):
             if k and d > 0:
                 tokens += g[d]
                 nodes += m - 1
                 depth = max(depth, d)
-        return tokens / (fixed_s + per_token_s * nodes + level_s * depth)
+                extra_s += c
+        return tokens / (fixed_s + per_token_s * nodes + level_s * depth + extra_s)
 
     def decide(self, rows: list[tuple[int, int, float]], fixed_s: float, per_token_s: float, level_s: float,
-               depth_nodes: tuple[int, ...] = (), extra_tokens: int = 0) -> GateChoice:
+               depth_nodes: tuple[int, ...] = (), extra_tokens: int = 0,
+               catch_up: list[tuple[float, int]] | None = None) -> GateChoice:
         """Choose this step's trees.
 
         Args:
             rows: per decoding row, ``(node_budget, max_depth, alpha)``: its granted nodes (root included; 1 = no
                 tree), deepest draft level allowed, and estimated per-level acceptance (0..1).
             fixed_s, per_token_s: the target forward's fitted seconds per step and per verified token.
-            level_s: measured seconds of one draft level (one batched draft forward).
+            level_s: seconds of one draft level (one batched draft forward), measured or estimated.
             depth_nodes: nodes of the configured tree cut after each depth, root included (``()``: chains).
             extra_tokens: other tokens of the same forward (prefill chunks).
+            catch_up: per decoding row, ``(seconds, remaining)``: what its drafts must read before drafting this
+                step (seconds) and the tokens the request may still commit (the read is charged over the steps
+                they take); None: every draft is up to date.
 
         Returns:
             a :class:`GateChoice`; rows that asked for no tree never get one.
@@ -329,9 +382,11 @@ class SpecGate:
         n = len(rows)
         asked = [b > 1 and m > 0 for b, m, _ in rows]
         costs = (fixed_s, per_token_s, level_s, extra_tokens)
-        plain = n / (fixed_s + per_token_s * (extra_tokens + n)) if n else 0.0
+        plain_s = fixed_s + per_token_s * (extra_tokens + n)
+        plain = n / plain_s if n else 0.0
         if not any(asked):
             return GateChoice(0, tuple(asked), False, plain, plain)
+        catch_up = catch_up or [(0.0, 0)] * n
         max_cap = max(m for (_, m, _), a in zip(rows, asked) if a)
         by_alpha: dict[float, list[float]] = {}
         for _, _, alpha in rows:
@@ -342,7 +397,7 @@ class SpecGate:
                     g.append(g[-1] + term)
                 by_alpha[alpha] = g
         gains = [by_alpha[alpha] for _, _, alpha in rows]  # per row, a + a^2 + ... + a^d for d = 0..max_cap
-        best = (0.0, 0, tuple([False] * n))
+        best = (0.0, 0, tuple([False] * n), [(1, 0)] * n)
         memo: dict[tuple[int, int, int], tuple[int, int]] = {}
 
         def shape(b: int, m: int, cap: int) -> tuple[int, int]:
@@ -351,39 +406,66 @@ class SpecGate:
                 memo[key] = self._shape(b, m, cap, depth_nodes)
             return memo[key]
 
+        def charge(i: int, d: int) -> float:
+            """Row ``i``'s catch-up seconds per step, spread over the steps it has left at depth ``d``."""
+            seconds, remaining = catch_up[i]
+            return seconds / max(1.0, remaining / (1.0 + gains[i][d])) if seconds > 0 else 0.0
+
         for cap in range(1, max_cap + 1):
             shapes = [shape(b, m, cap) if a else (1, 0) for (b, m, _), a in zip(rows, asked)]
             keep = [a and d > 0 for a, (_, d) in zip(asked, shapes)]
-            rate = self._rate(gains, keep, shapes, n, *costs)
-            for _ in range(4):  # drop trees that earn less per second of their own verify cost than the batch
-                drop = [k and per_token_s * (m - 1) * rate > g[d] for k, (m, d), g in zip(keep, shapes, gains)]
+            charges = [charge(i, d) for i, (_, d) in enumerate(shapes)]
+            rate = self._rate(gains, keep, shapes, n, *costs, charges)
+            for _ in range(4):  # drop trees that earn less per second of their own cost than the batch
+                drop = [k and (per_token_s * (m - 1) + c) * rate > g[d]
+                        for k, (m, d), g, c in zip(keep, shapes, gains, charges)]
                 if not any(drop) or sum(keep) == sum(drop):
                     break
                 keep = [k and not x for k, x in zip(keep, drop)]
-                rate = self._rate(gains, keep, shapes, n, *costs)
+                rate = self._rate(gains, keep, shapes, n, *costs, charges)
             if rate > best[0] and any(keep):
-                best = (rate, cap, tuple(keep))
-        rate_on, cap, keep = best
+                best = (rate, cap, tuple(keep), shapes)
+        rate_on, cap, keep, shapes = best
         if cap and rate_on >= self.min_gain * plain:
-            self.interval, self.refused = self.probe_every, 0
+            self.interval, self.refused, self.refused_s = self.probe_every, 0, 0.0
             self.counts["on"] += 1
             return GateChoice(cap, keep, False, rate_on, plain)
         self.refused += 1
-        if cap and self.refused >= self.interval:
-            self.refused = 0
-            self.interval = min(self.max_probe_every, 2 * self.interval)
-            self.counts["probe"] += 1
-            return GateChoice(cap, self._probe_rows(asked), True, rate_on, plain)
+        self.refused_s += plain_s
+        if self.refused >= self.interval:
+            probe = self._probe_rows(asked, advance=False)
+            # could the probed rows' trees pay at all, were their drafts always accepted?
+            ones = [float(d) for d in range(max_cap + 1)]  # a + ... + a^d at a = 1
+            hopeful = False
+            for c in range(1, max_cap + 1):
+                cut = [shape(b, m, c) if k else (1, 0) for (b, m, _), k in zip(rows, probe)]
+                opt = [c_ / max(1.0, r / (1.0 + d)) if c_ > 0 else 0.0 for (c_, r), (_, d) in zip(catch_up, cut)]
+                if self._rate([ones] * n, probe, cut, n, *costs, opt) >= self.min_gain * plain:
+                    hopeful = True
+                    break
+            depth_cap = cap or 1  # the probe drafts the best cap's trees, one level where none was kept
+            cut = [shape(b, m, depth_cap) if k else (1, 0) for (b, m, _), k in zip(rows, probe)]
+            depth = max((d for _, d in cut), default=0)
+            cost_s = level_s * depth + sum(per_token_s * (m - 1) + charge(i, d)
+                                           for i, ((m, d), k) in enumerate(zip(cut, probe)) if k)
+            if hopeful and depth and self.refused_s * self.probe_share_of_time >= cost_s:
+                self._probe_rows(asked, advance=True)
+                self.refused, self.refused_s = 0, 0.0
+                self.interval = min(self.max_probe_every, 2 * self.interval)
+                self.counts["probe"] += 1
+                return GateChoice(depth_cap, probe, True, rate_on, plain)
         self.counts["off"] += 1
         return GateChoice(0, tuple([False] * n), False, rate_on, plain)
 
-    def _probe_rows(self, asked: list[bool]) -> tuple[bool, ...]:
+    def _probe_rows(self, asked: list[bool], advance: bool = True) -> tuple[bool, ...]:
         """The rows a probe drafts for: a quarter of those that asked (at least one), in turn from probe to
-        probe, so a probe at a large batch costs a few rows' trees rather than every row's."""
+        probe, so a probe at a large batch costs a few rows' trees rather than every row's (``advance`` False:
+        which rows the next probe would take, the turn kept)."""
         idx = [i for i, a in enumerate(asked) if a]
         take = max(1, math.ceil(len(idx) * self.probe_share))
         start = self._probe_turn % len(idx)
-        self._probe_turn += take
+        if advance:
+            self._probe_turn += take
         chosen = {idx[(start + k) % len(idx)] for k in range(take)}
         return tuple(i in chosen for i in range(len(asked)))
 

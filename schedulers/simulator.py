@@ -34,6 +34,7 @@ from specstream.schedulers.baselines import FifoEncodeScheduler, StaticBatchSche
 from specstream.schedulers.costmodel import CostModel, EncodeCost, SpecGate, StepCostFit, get_profile
 from specstream.schedulers.plan import (
     QOS_CLASSES,
+    DecodeWork,
     EncodeItem,
     EncodeResult,
     Request,
@@ -188,6 +189,11 @@ class SimExecutor:
         self.verify_fit = StepCostFit()
         self._verify_line: tuple[float, float] | None = None
         self._level_s: float | None = None
+        #: per request: committed tokens its draft has read (the live draft's KV cache length)
+        self._seen: dict[str, int] = {}
+        self._drafted_once = False
+        #: tokens the drafts read to catch up (prompts, tokens of steps without drafts), over the run
+        self.catch_up_tokens = 0
         self.last_step_s = 0.0
         #: steps whose decodes verified at least one tree, and steps with decodes
         self.drafted_steps = 0
@@ -199,18 +205,29 @@ class SimExecutor:
         return self._budgets[rid]
 
     def _gated(self, plan: StepPlan) -> StepPlan:
-        """``plan`` with its trees cut by the gate (small trees until both costs were measured)."""
+        """``plan`` with its trees cut by the gate, as the live executor's ``_gate_step`` (its warm-up until both
+        costs were measured; each row's catch-up read, the tokens its draft has not seen at ``draft_per_node_s``
+        each, weighed)."""
         if self.gate is None or not plan.decodes:
             return plan
-        rows = [(w.node_budget if self._specs[w.request_id].speculate else 1, w.max_depth,
-                 self._budget(w.request_id).observed_alpha) for w in plan.decodes]
+        alphas = self.gate.row_alphas([self._budget(w.request_id).measured_alpha for w in plan.decodes])
+        rows = [(w.node_budget if self._specs[w.request_id].speculate else 1, w.max_depth, a)
+                for w, a in zip(plan.decodes, alphas)]
+        lags = [self._lag(w) for w in plan.decodes]
         if self._verify_line is None or self._level_s is None:
-            choice = self.gate.warmup(rows, self.depth_nodes)
+            choice = self.gate.warmup(rows, self.depth_nodes, lags)
         else:
             fixed, per_token = self._verify_line
+            token_s = self.cost.draft_per_node_s if self._drafted_once else per_token
+            catch_up = [(lag * token_s, max(0, self._specs[w.request_id].max_new_tokens - self._committed[w.request_id]))
+                        for w, lag in zip(plan.decodes, lags)]
             extra = sum(p.num_tokens for p in plan.prefills)
-            choice = self.gate.decide(rows, fixed, per_token, self._level_s, self.depth_nodes, extra)
+            choice = self.gate.decide(rows, fixed, per_token, self._level_s, self.depth_nodes, extra, catch_up)
         return replace(plan, decodes=self.gate.cut(plan.decodes, choice, self.depth_nodes))
+
+    def _lag(self, work: DecodeWork) -> int:
+        """Tokens the request's draft has not read, beyond the newest (its prompt before its first draft)."""
+        return max(0, work.context_len - 1 - self._seen.get(work.request_id, 0))
 
     def _measure(self, plan: StepPlan) -> None:
         """Book the executed plan's target and draft seconds, as the live executor measures its own."""
@@ -240,8 +257,10 @@ class SimExecutor:
             self._budgets.pop(rid, None)
             self._specs.pop(rid, None)
             self._committed.pop(rid, None)
+            self._seen.pop(rid, None)
         for rid, slot in ((r.request_id, r.slot) for r in plan.preempted):
             self.lengths.pop(slot, None)
+            self._seen.pop(rid, None)  # the draft's slot is reset: it reads the whole context again
         for spec in plan.admitted:  # new, or resumed after a preemption (its committed tokens come with it)
             self._specs[spec.request_id] = spec
             self._committed[spec.request_id] = len(spec.committed)
@@ -257,6 +276,7 @@ class SimExecutor:
             else:  # a chunk of a longer prefill: cached, nothing committed yet
                 results.append(RequestStepResult(work.request_id, is_prefill=True, prefill_done=False))
         drafted = False
+        catch_up_s = 0.0
         for work in plan.decodes:
             rid = work.request_id
             peak += work.node_budget
@@ -264,18 +284,25 @@ class SimExecutor:
             if work.node_budget > 1 and work.max_depth > 0 and self._specs[rid].speculate:
                 nodes, depth = tree_shape(self.tree_widths, work.node_budget, work.max_depth)
                 drafted = drafted or depth > 0
+            if depth > 0:  # the draft first reads what it has not seen (one batched forward with the level's)
+                lag = self._lag(work)
+                self.catch_up_tokens += lag
+                catch_up_s += lag * self.cost.models.get(work.model, self.cost).draft_per_node_s
+                self._drafted_once = True
             a = self.acceptance.get(rid, 0.0)
             expected = sum(a ** k for k in range(1, depth + 1))
             carry = self._carry.get(rid, 0.0) + expected
             accepted = min(depth, int(math.floor(carry + 1e-9)))
             self._carry[rid] = carry - accepted
             results.append(self._commit(rid, accepted, nodes, False, work.slot, depth))
+            if depth > 0:  # read up to the root, then the accepted nodes are kept in its cache (the bonus is not)
+                self._seen[rid] = work.context_len + results[-1].num_accepted
         if plan.decodes:
             self.decode_steps += 1
             self.drafted_steps += drafted
         self.peak_kv_tokens = max(self.peak_kv_tokens, peak)
         rows = len(plan.prefills) + len(plan.decodes)
-        self.last_step_s = self.cost.plan_s(plan)
+        self.last_step_s = self.cost.plan_s(plan) + catch_up_s
         if self.gate is not None:
             self._measure(plan)
         return StepOutput(plan.step, tuple(results), 1 if rows else 0, plan.num_nodes, self.last_step_s, encoded)
@@ -295,6 +322,8 @@ class SimExecutor:
             budget = self._budget(rid)
             if not is_prefill:
                 budget.observe(num_accepted, tree_nodes if tree_nodes else 1, depth)
+                if self.gate is not None and depth:
+                    self.gate.observe(num_accepted, depth)
             requested = budget.requested_nodes() if self.adaptive else self.full_nodes
         return RequestStepResult(rid, (0,) * n, num_accepted, is_prefill, reason, None, requested)
 

@@ -4,6 +4,8 @@ at batch 1), and the live executor's gate on tiny models (exact output, host syn
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from specstream.schedulers.costmodel import CPU_2CORE, GateChoice, SpecGate
@@ -61,15 +63,17 @@ def test_probes_take_turns_over_the_rows_and_back_off_until_speculation_pays_aga
     gate = SpecGate()
     losing = [(21, 8, 0.4)] * 8
     probes = []
-    for step in range(1, 8 + 16 + 32 + 64 + 64 + 1):
+    for step in range(1, 9 + 16 + 32 + 64 + 64 + 1):
         c = gate.decide(losing, **CPU)
         if c.probe:
             probes.append((step, [i for i, k in enumerate(c.keep) if k], c.depth))
         else:
             assert c.depth == 0 and not any(c.keep)
-    # after 8 refused steps, then 16, 32, 64, 64; two rows of eight each time, in turn; the best depth (1)
-    assert probes == [(8, [0, 1], 1), (24, [2, 3], 1), (56, [4, 5], 1), (120, [6, 7], 1), (184, [0, 1], 1)]
-    assert gate.counts == {"on": 0, "off": 179, "probe": 5}
+    # after 8 refused steps the probe's own cost (one level 0.02 s + two 1-node trees 0.02 s = 0.04 s) is still
+    # above 2 % of the refused time (8 x 0.24 s x 0.02 = 0.0384 s): it waits one more step; then 16, 32, 64, 64
+    # steps (3.84 s x 0.02 covers it); two rows of eight each time, in turn; the best depth (1)
+    assert probes == [(9, [0, 1], 1), (25, [2, 3], 1), (57, [4, 5], 1), (121, [6, 7], 1), (185, [0, 1], 1)]
+    assert gate.counts == {"on": 0, "off": 180, "probe": 5}
     assert gate.decide([(21, 8, 0.4)], **CPU).depth == 1  # the batch shrank to one: it pays again
     assert gate.interval == 8 and gate.refused == 0
 
@@ -83,13 +87,16 @@ def test_cut_applies_the_choice_to_the_plans_decodes():
     assert [(w.node_budget, w.max_depth) for w in cut] == [(6, 3), (4, 3), (1, 1)]
     off = gate.cut(decodes, GateChoice(0, (False,) * 3, False, 0.0, 0.0), SPECINFER)
     assert [w.node_budget for w in off] == [1, 1, 1] and [w.request_id for w in off] == [r.request_id for r in reqs]
-    # before costs are measured: one draft level, for at most 16 rows
+    # before costs are measured: one draft level, for the one asking row whose draft has least to read
     assert gate.warmup([(21, 8, 1.0), (1, 8, 1.0)], SPECINFER) == GateChoice(1, (True, False), False, 0.0, 0.0)
-    assert gate.warmup([(21, 8, 1.0)] * 20, SPECINFER).keep == (True,) * 16 + (False,) * 4
+    assert gate.warmup([(21, 8, 1.0)] * 4, SPECINFER, lags=[40, 9, 9, 70]).keep == (False, True, False, False)
+    assert gate.warmup([(1, 8, 1.0)] * 3, SPECINFER) == GateChoice(0, (False,) * 3, False, 0.0, 0.0)
     chain = gate.cut(decodes[1:2], gate.warmup([(4, 8, 1.0)], ()))
     assert [(w.node_budget, w.max_depth) for w in chain] == [(2, 1)]
     with pytest.raises(ValueError):
         SpecGate(probe_every=0)
+    with pytest.raises(ValueError):
+        SpecGate(probe_share_of_time=0.0)
 
 
 # -- the simulator: the same gate, the costs measured from the simulated steps --------------------------------
@@ -99,13 +106,14 @@ SIM_COST = CPU_2CORE.with_(step_fixed_s=0.16, per_row_s=0.0, per_token_s=0.01, p
                            draft_level_s=0.02, draft_per_node_s=0.004)
 
 
-def _sim(batch: int, acceptance: float, gate: bool, speculate: bool = True, new_tokens: int = 96):
-    events = [TraceEvent(0.0, f"r{i}", "batch", 600_000.0, 16, new_tokens, 0, 0.0, acceptance)
+def _sim(batch: int, acceptance: float, gate: bool, speculate: bool = True, new_tokens: int = 96,
+         prompt: int = 16, cost=None):
+    events = [TraceEvent(0.0, f"r{i}", "batch", 600_000.0, prompt, new_tokens, 0, 0.0, acceptance)
               for i in range(batch)]
     # spec_token_limit out of the way: the gate alone decides
     sched = QosConfig(num_slots=8, max_len=512, reserved_realtime_slots=0, spec_token_limit=10**6,
                       max_nodes_per_request=21 if speculate else 1)
-    res = simulate(events, SimConfig(scheduler=sched, cost=SIM_COST, spec_gate=gate))
+    res = simulate(events, SimConfig(scheduler=sched, cost=cost or SIM_COST, spec_gate=gate))
     assert all(r.output_len == new_tokens for r in res.records.values())
     return batch * new_tokens / res.end_s, res.executor
 
@@ -126,12 +134,78 @@ def test_simulator_gate_keeps_speculation_on_where_it_pays_at_batch_1():
     """The same costs, one request whose drafts are accepted at 0.6 per token: depth 1 commits 1.6 tokens in
     0.204 s against 1 in 0.17 s (1.33x), so the gate keeps speculation on. (The simulated draft misses its first,
     warm-up level: 0.6 accepted tokens carry over; the gate, which weighs observed acceptance only, then refuses
-    trees until its first probe, 8 steps later, accepts; from then on it stays on.)"""
+    trees until its first probe, 10 steps later, accepts; from then on it stays on.) The draft reads the prompt
+    once (15 of its 16 tokens: it drafts from the newest)."""
     plain, _ = _sim(1, 0.6, gate=True, speculate=False)
     gated, ex = _sim(1, 0.6, gate=True)
     assert gated >= 1.25 * plain
-    assert ex.gate.counts["off"] <= 8 and ex.gate.counts["probe"] == 1
-    assert ex.drafted_steps >= ex.decode_steps - 8
+    assert ex.gate.counts["off"] <= 10 and ex.gate.counts["probe"] == 1
+    assert ex.drafted_steps >= ex.decode_steps - 11
+
+
+# live-like costs of the real Qwen2.5-Coder pair at int4 on a 2-core CPU (docs/benchmarks.md, 2026-12-06): a target
+# step 43 ms + 8.3 ms per verified token, a draft level 15 ms, a draft token read 3 ms; 64-token prompts
+REAL_PAIR_COST = CPU_2CORE.with_(step_fixed_s=0.043, per_row_s=0.0, per_token_s=0.0083, per_kv_token_s=0.0,
+                                 draft_level_s=0.015, draft_per_node_s=0.003)
+
+
+def test_gate_weighs_the_drafts_catch_up_read_of_a_fresh_batch():
+    """Eight fresh 64-token prompts, 40 tokens each to write, every tree expected to be accepted (alpha 1.0):
+
+    - without the catch-up, depth 1 commits 16 tokens in 0.043 + 0.0083 x 16 + 0.015 = 0.1908 s (83.9/s)
+      against 8 in 0.1094 s (73.1/s): on;
+    - each draft must first read 63 tokens (0.189 s), charged over the 20 steps the request has left at 2
+      tokens a step: 9.45 ms a row, 75.6 ms for eight: 16 / 0.2664 s = 60.1/s: off at every depth;
+    - alone (batch 1) the same read still pays: depth 8 commits 9 tokens in 0.043 + 0.0083 x 9 + 8 x 0.015 +
+      0.189 / (40 / 9) = 0.2802 s (32.1/s) against 1 in 0.0513 s (19.5/s)."""
+    costs = dict(fixed_s=0.043, per_token_s=0.0083, level_s=0.015, depth_nodes=())
+    rows = [(9, 8, 1.0)] * 8
+    assert SpecGate().decide(rows, **costs).depth > 0
+    read = [(63 * 0.003, 40)] * 8
+    off = SpecGate().decide(rows, **costs, catch_up=read)
+    assert (off.depth, off.keep) == (0, (False,) * 8)
+    assert off.rate_off == pytest.approx(8 / 0.1094)
+    one = SpecGate().decide(rows[:1], **costs, catch_up=read[:1])
+    assert (one.depth, one.keep) == (8, (True,))
+    assert one.rate_on == pytest.approx(9 / (0.043 + 0.0083 * 9 + 8 * 0.015 + 0.189 / (40 / 9)))
+
+
+def test_a_probe_waits_until_the_refused_time_pays_for_its_catch_up_read():
+    """Batch 1, drafts refused (alpha 0.05), the draft 200 tokens behind (0.6 s to read), 400 tokens left: a
+    one-level probe costs a level (15 ms), a node (8.3 ms) and the read charged over the 381 steps it serves at
+    depth 1 and the acceptance seen (1.05 tokens a step: 1.57 ms): 24.9 ms, so at 2 % of the refused plain steps
+    (51.3 ms each) it waits 25 steps, not 8. At
+    batch 8 even trees always accepted lose to the prompt reads (see above): never a probe."""
+    costs = dict(fixed_s=0.043, per_token_s=0.0083, level_s=0.015, depth_nodes=())
+    gate = SpecGate()
+    steps = 1
+    while not gate.decide([(2, 1, 0.05)], **costs, catch_up=[(0.6, 400)]).probe:
+        steps += 1
+    assert steps == math.ceil((0.015 + 0.0083 + 0.6 / (400 / 1.05)) / (0.02 * 0.0513)) == 25
+    eight = SpecGate()
+    choices = [eight.decide([(9, 8, 0.05)] * 8, **costs, catch_up=[(0.189, 40)] * 8) for _ in range(500)]
+    assert not any(c.probe or c.depth for c in choices) and eight.counts["off"] == 500
+
+
+def test_fresh_batch_explores_a_quarter_of_its_rows_then_uses_the_workloads_acceptance():
+    gate = SpecGate()
+    assert gate.row_alphas([None] * 8) == [1.0, 1.0] + [0.0] * 6
+    assert gate.row_alphas([None]) == [1.0]
+    assert gate.row_alphas([0.5, None, None]) == [0.5, 1.0, 0.0]
+    gate.observe(0, 4)  # two explored rows: none of four levels accepted, then all four
+    gate.observe(4, 4)
+    assert gate.workload_alpha == pytest.approx(4 / (4 + 0.9))  # the first miss decayed by 0.9
+    assert gate.row_alphas([None, 0.25]) == [pytest.approx(4 / 4.9), 0.25]
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.5])
+def test_simulator_gate_at_batch_8_with_the_drafts_catch_up_never_loses(acceptance):
+    """Eight 64-token prompts at the real pair's costs. A gate that drafts every row of the fresh batch once (the
+    former warm-up) pays eight prompt reads, 1.5 s, about 8 % of the run; this one reads at most two prompts."""
+    plain, _ = _sim(8, acceptance, gate=True, speculate=False, prompt=64, cost=REAL_PAIR_COST)
+    gated, ex = _sim(8, acceptance, gate=True, prompt=64, cost=REAL_PAIR_COST)
+    assert gated >= 0.97 * plain
+    assert ex.catch_up_tokens <= 2 * 64
 
 
 def test_sim_config_reads_the_gate_key():

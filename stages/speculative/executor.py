@@ -408,19 +408,31 @@ class SpeculativeExecutor:
     def _gate_step(self, plan: StepPlan) -> tuple[DecodeWork, ...]:
         """The plan's decodes with this step's trees cut or dropped for the whole batch when they are expected to
         lose (:class:`~specstream.schedulers.costmodel.SpecGate`: the target forward's fitted fixed + per-token
-        seconds, the measured draft seconds per level, each request's per-level acceptance). Decided before any
-        draft is drawn. Until both costs have been measured: the gate's warm-up (one draft level, at most 16 rows)."""
+        seconds, the measured draft seconds per level, each request's per-level acceptance, and what each row's
+        draft must read before it can draft, its catch-up). Decided before any draft is drawn. Until both costs
+        have been measured: the gate's warm-up (one draft level for the one row whose draft has least to read)."""
         decodes = plan.decodes
         line = self._verify_line
         if self.gate is None or not (self.adaptive and self.cost_aware and self.drafters and decodes):
             return decodes
-        rows = [(w.node_budget, w.max_depth, self.states[w.request_id].budget.observed_alpha)
-                for w in decodes]
+        states = [self.states[w.request_id] for w in decodes]
+        lags = [sum(d.lag(w.slot, len(st.draft_context)) for d in self.drafters) for w, st in zip(decodes, states)]
+        alphas = self.gate.row_alphas([st.budget.measured_alpha for st in states])
+        rows = [(w.node_budget, w.max_depth, a) for w, a in zip(decodes, alphas)]
         if line is None or self._level_s is None:
-            choice = self.gate.warmup(rows, self.depth_nodes)
+            choice = self.gate.warmup(rows, self.depth_nodes, lags)
         else:
+            catch_up = []
+            for w, st in zip(decodes, states):
+                seconds = 0.0
+                for d in self.drafters:
+                    lag = d.lag(w.slot, len(st.draft_context))
+                    if lag:  # until a long read was timed: the target's seconds per token, an upper bound
+                        token_s = d.catch_up_token_s()
+                        seconds += lag * (token_s if token_s is not None else line[1])
+                catch_up.append((seconds, max(0, st.spec.max_new_tokens - len(st.output))))
             extra = sum(p.num_tokens for p in plan.prefills)
-            choice = self.gate.decide(rows, line[0], line[1], self._level_s, self.depth_nodes, extra)
+            choice = self.gate.decide(rows, line[0], line[1], self._level_s, self.depth_nodes, extra, catch_up)
         return self.gate.cut(decodes, choice, self.depth_nodes)
 
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -930,6 +942,8 @@ class SpeculativeExecutor:
                 budget = row.state.budget
                 if not row.is_prefill:
                     budget.observe(num_accepted, len(row.tree), row.tree.max_depth)
+                    if self.gate is not None:
+                        self.gate.observe(num_accepted, row.tree.max_depth)
                 requested = (budget.requested_nodes(self.cost_ratio or 0.0, self.depth_cost, self.node_cost)
                              if self.adaptive
                              else self.full_nodes)

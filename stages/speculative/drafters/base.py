@@ -69,6 +69,16 @@ class Drafter(abc.ABC):
     def release(self, slot: int) -> None:
         """The request in ``slot`` ended or was preempted: forget anything cached for the slot."""
 
+    def lag(self, slot: int, context_len: int) -> int:
+        """Committed tokens this drafter would read, beyond the newest one, before drafting for the request in
+        ``slot`` whose context is ``context_len`` tokens long (its whole prompt the first time, the tokens of the
+        steps it did not draft since). 0 for drafters without a cache."""
+        return 0
+
+    def catch_up_token_s(self) -> float | None:
+        """Measured seconds per token of this drafter's catch-up reads (None: not measured yet, or no cache)."""
+        return None
+
     def catch_up_excess_s(self) -> float:
         """Seconds of the last :meth:`propose` spent reading committed tokens beyond what a step that also
         drafted the step before reads (a prompt, or the tokens of steps without drafts); the executor leaves them

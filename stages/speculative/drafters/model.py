@@ -137,6 +137,7 @@ class ModelDrafter(Drafter):
         self.catch_up_tokens = 0
         self._pending: list[tuple[int, int, list[int]]] = []  # KV commits of this step: (slot, base, columns)
         self._excess_s = 0.0  # the last catch-up's seconds spent on tokens beyond a steady step's
+        self._token_s: float | None = None  # seconds per token of long catch-up reads (EMA)
 
     # -- forwards ------------------------------------------------------------------------------------------
     def _forward(self, slots: list[int], ids: list[list[int]], positions: list[list[int]], columns: list[list[int]],
@@ -187,8 +188,21 @@ class ModelDrafter(Drafter):
         # a steady step feeds at most the last step's committed tokens (depth + 1 per request); the rest is a
         # one-off (a prompt, tokens committed while drafting was off), charged pro rata
         steady = len(inputs) * (self.tree_spec.depth + 1)
-        self._excess_s = (time.perf_counter() - t0) * max(0, fed - steady) / fed if fed else 0.0
+        elapsed = time.perf_counter() - t0
+        self._excess_s = elapsed * max(0, fed - steady) / fed if fed else 0.0
+        if fed >= max(16, 2 * steady):  # a read of mostly one-off tokens: its seconds per token
+            token_s = elapsed / fed
+            self._token_s = token_s if self._token_s is None else 0.7 * self._token_s + 0.3 * token_s
         return logits
+
+    def lag(self, slot: int, context_len: int) -> int:
+        cached = self.cache.lengths[slot]
+        if cached > context_len - 1:
+            cached = 0  # stale slot: :meth:`_catch_up` rebuilds it
+        return max(0, context_len - 1 - cached)
+
+    def catch_up_token_s(self) -> float | None:
+        return self._token_s
 
     def catch_up_excess_s(self) -> float:
         return self._excess_s
