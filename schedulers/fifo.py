@@ -78,6 +78,10 @@ class FifoScheduler:
             decodes.append(DecodeWork.of(req, req.slot, nodes, depth))
             budget -= nodes
         prefills, forks = [], []
+        children: dict[str, list[Request]] = {}  # fork source id -> its waiting forks, in queue order
+        for r in self.waiting:
+            if r.fork_of is not None:
+                children.setdefault(r.fork_of, []).append(r)
         while self.waiting and self.free_slots:
             req = self.waiting[0]
             if prefills and len(req.prompt_ids) > budget:
@@ -87,17 +91,21 @@ class FifoScheduler:
             req.status = RequestStatus.RUNNING
             prefills.append(PrefillWork.of(req, req.slot))
             budget -= len(req.prompt_ids)
-            forks.extend(self._forks_of(req))
+            forks.extend(self._forks_of(req, children.get(req.request_id, ())))
         released, self._released = tuple(self._released), []
         plan = StepPlan(self._step, tuple(prefills), tuple(decodes), released, forks=tuple(forks))
         return replace(plan, admitted=admissions(self.requests, plan))
 
-    def _forks_of(self, source: Request) -> list[ForkWork]:
+    def _forks_of(self, source: Request, children) -> list[ForkWork]:
         """Waiting requests that fork from ``source`` (:attr:`Request.fork_of`, same prompt), while slots are
         free: they start from its prefill (one prompt prefill for ``n`` choices). The others prefill themselves
-        when their turn comes."""
+        when their turn comes.
+
+        ``children`` are the requests queued with ``fork_of == source.request_id`` when the step's planning began,
+        in queue order (indexed once per step: a scan of the whole queue per admitted request made admitting
+        ``n`` requests cost O(n^2)); those planned since (status no longer waiting) are passed over."""
         out = []
-        for child in [r for r in self.waiting if r.fork_of == source.request_id and r.prompt_ids == source.prompt_ids
+        for child in [r for r in children if r.status is RequestStatus.WAITING and r.prompt_ids == source.prompt_ids
                       and not r.output_ids]:
             if not self.free_slots:
                 break

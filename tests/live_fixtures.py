@@ -202,3 +202,12 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def metric(text: str, name: str, label: str = "") -> float:
+    """The sum of the Prometheus samples of ``name`` whose line contains ``label``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total

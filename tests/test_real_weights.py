@@ -1,8 +1,10 @@
 """The engine on real weights: Qwen2.5-Coder-1.5B-Instruct (target) with Qwen2.5-Coder-0.5B-Instruct (draft), GGUF.
 
-The reference is Hugging Face transformers loading the same target GGUF in float32, computed once per session in a
-child process (``real_reference.py``) and written to a file; that process ends (its ~9 GB are returned) before any
-of our models loads, and our models load one at a time, so the HF model and ours never share the memory.
+The reference is Hugging Face transformers loading the same target GGUF in float32, computed in a child process
+(``real_reference.py``) and written to a file; that process ends (its ~9 GB are returned) before any of our models
+loads, and our models load one at a time, so the HF model and ours never share the memory. The result is kept in
+the real-weights cache under a hash of everything it depends on (``reference_key``), so it is computed once per
+weights file, reference script, library versions and CPU, not once per session.
 
 - greedy output equals HF ``generate`` token for token on three sequences (code with the chat template, prose
   without, caption-like with the chat template; 16 new tokens each), for each configuration (draft; n-gram and
@@ -75,21 +77,66 @@ def real_pair(real_cache) -> dict[str, Path]:
     return {TARGET: Path(folders[0]), DRAFT: Path(folders[1])}
 
 
+def reference_key(spec: dict, gguf: Path) -> str:
+    """What the HF reference depends on, hashed: the request (``spec``), the GGUF file (name, size, mtime and the
+    checksum stamp ``specstream models fetch`` verified it against), ``real_reference.py`` itself, the versions of
+    the libraries that compute it, and this CPU (model name and flags: float32 kernels differ by instruction set)."""
+    import hashlib
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    st = gguf.stat()
+    stamp = gguf.parent / ".verified"
+    versions = {}
+    for pkg in ("torch", "transformers", "tokenizers", "gguf", "safetensors", "numpy"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    try:
+        cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
+               if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        cpu = [platform.processor()]
+    parts = {"spec": spec, "gguf": [gguf.name, st.st_size, st.st_mtime_ns,
+                                    stamp.read_text() if stamp.exists() else None],
+             "script": hashlib.sha256((HERE / "real_reference.py").read_bytes()).hexdigest(),
+             "python": sys.version, "versions": versions, "machine": platform.machine(), "cpu": cpu}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
 @pytest.fixture(scope="module")
-def hf(real_pair, tmp_path_factory) -> dict:
-    """The HF reference, computed in a child process that has exited when this returns."""
+def hf(real_pair, real_cache, tmp_path_factory) -> dict:
+    """The HF reference, computed in a child process that has exited when this returns.
+
+    It is stored in ``real_cache/hf-reference/<key>`` (:func:`reference_key`: the request, the weights file, the
+    reference script, the library versions and the CPU), so a later session with the same inputs reads the
+    same result instead of recomputing it (a few minutes: the 1.5B model in float32 through transformers)."""
+    import shutil
+
     from safetensors.torch import load_file
 
-    out = tmp_path_factory.mktemp("hf-reference")
     gguf = next(real_pair[TARGET].glob("*.gguf"))
     spec = {"gguf": str(gguf), "threads": 2, "eos": [IM_END, ENDOFTEXT], "pad": ENDOFTEXT, "new_tokens": NEW_TOKENS,
             "sequences": SEQUENCES, "eos_probe": EOS_PROBE}
-    (out / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, str(HERE / "real_reference.py"), str(out / "spec.json"), str(out)],
-                          capture_output=True, text=True, timeout=3000)
-    if proc.returncode != 0:
-        pytest.fail(f"the Hugging Face reference process failed (exit {proc.returncode}): "
-                    f"{proc.stderr.strip()[-1500:]}", pytrace=False)
+    out = real_cache / "hf-reference" / reference_key(spec, gguf)
+    if not ((out / "reference.json").exists() and (out / "logits.safetensors").exists()):
+        work = tmp_path_factory.mktemp("hf-reference")
+        (work / "spec.json").write_text(json.dumps(spec))
+        proc = subprocess.run([sys.executable, str(HERE / "real_reference.py"), str(work / "spec.json"), str(work)],
+                              capture_output=True, text=True, timeout=3000)
+        if proc.returncode != 0:
+            pytest.fail(f"the Hugging Face reference process failed (exit {proc.returncode}): "
+                        f"{proc.stderr.strip()[-1500:]}", pytrace=False)
+        staging = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for name in ("spec.json", "logits.safetensors", "reference.json"):  # reference.json last: the commit mark
+            shutil.copy2(work / name, staging / name)
+        try:
+            staging.rename(out)
+        except OSError:  # another session stored the same reference first
+            shutil.rmtree(staging, ignore_errors=True)
     ref = json.loads((out / "reference.json").read_text())
     ref["logits"] = load_file(str(out / "logits.safetensors"))
     return ref

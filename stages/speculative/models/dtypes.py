@@ -41,13 +41,14 @@ def auto_weight_dtype(device: str | torch.device = "cpu") -> str:
     A precision this machine cannot run (or that ``SPECSTREAM_DISABLE_DTYPES`` disables) is skipped for the next of
     int8, bfloat16, float32.
     """
-    from specstream.kernels.quant import available_weight_dtypes, native_bf16
+    from specstream.kernels.quant import kernel_available, native_bf16, parse_weight_format
 
     dev = torch.device(device)
     first = "bfloat16" if dev.type == "cuda" else ("int4" if native_bf16(dev) else "int8")
     disabled = {d.strip() for d in os.environ.get("SPECSTREAM_DISABLE_DTYPES", "").split(",") if d.strip()}
-    available = [d for d in available_weight_dtypes(dev) if d not in disabled]
-    return next((d for d in (first, "int8", "bfloat16", "float32") if d in available), "float32")
+    # probed in order, stopping at the first that runs (probing int4 builds its kernel: kernels/int4_vnni.py)
+    return next((d for d in (first, "int8", "bfloat16", "float32")
+                 if d not in disabled and kernel_available(parse_weight_format(d), dev)), "float32")
 
 
 def weight_format(name: str | torch.dtype, device: str | torch.device = "cpu"):
@@ -68,13 +69,17 @@ def weight_format(name: str | torch.dtype, device: str | torch.device = "cpu"):
     if str(name).strip().lower() == AUTO:
         name = auto_weight_dtype(device)
     disabled = {d.strip() for d in os.environ.get("SPECSTREAM_DISABLE_DTYPES", "").split(",") if d.strip()}
-    available = [d for d in available_weight_dtypes(device) if d not in disabled]
+
+    def available() -> str:
+        # probed for the error message only: the probe of every precision builds the int4 kernel (tens of
+        # seconds on first use, kernels/int4_vnni.py), which a float32 or int8 load never needs
+        return ", ".join(d for d in available_weight_dtypes(device) if d not in disabled)
+
     try:
         fmt = parse_weight_format(name)
     except ValueError:
-        raise UnsupportedDtypeError(f"unknown dtype {name!r}; available on {device}: {', '.join(available)}"
-                                    ) from None
+        raise UnsupportedDtypeError(f"unknown dtype {name!r}; available on {device}: {available()}") from None
     if fmt.label in disabled or fmt.name in disabled or not kernel_available(fmt, device):
         raise UnsupportedDtypeError(f"dtype {fmt.label} cannot run on {device} (no kernel or hardware support); "
-                                    f"available: {', '.join(available)}")
+                                    f"available: {available()}")
     return fmt
