@@ -26,6 +26,7 @@ and 288..319 their zeros (``w = (q - 8) * scale + zero``, PyTorch's int4 convent
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import platform
@@ -74,15 +75,41 @@ def cpu_flags() -> frozenset[str]:
 STALE_LOCK_S = 600.0
 
 
+def lock_file_blocks() -> bool:
+    """Whether PyTorch's extension build lock blocks by the lock file's mere existence (its older ``FileBaton``),
+    rather than by an OS advisory lock on it (``FileLock``, torch 2.14), which the OS releases when the holding
+    process dies, so a file left behind blocks nothing."""
+    from torch.utils import cpp_extension
+
+    return not hasattr(cpp_extension, "FileLock")
+
+
+def _held(lock: Path) -> bool:
+    """Whether some process holds an advisory lock on ``lock`` now."""
+    try:
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+    except OSError:
+        return False
+
+
 def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove ``build_dir/lock`` when it is older than ``max_age_s`` (a build killed while holding it: PyTorch's
-    ``FileBaton`` waits on a lock with no timeout). Returns True when one was removed."""
+    """Remove ``build_dir/lock`` when it blocks the build although its build is gone: only where PyTorch's lock is
+    the file's existence (:func:`lock_file_blocks`; a build killed while holding it leaves it, and PyTorch would
+    wait on it with no timeout), when it is older than ``max_age_s`` and no process holds an advisory lock on it.
+    With PyTorch's advisory lock the file stays: deleting it while another process holds its lock would let a
+    second build start beside that one. Returns True when one was removed."""
     lock = Path(build_dir) / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except OSError:
         return False
-    if age <= max_age_s:
+    if age <= max_age_s or not lock_file_blocks() or _held(lock):
         return False
     log.warning("removing the stale build lock %s (%.0f s old, left by a killed build)", lock, age)
     lock.unlink(missing_ok=True)
