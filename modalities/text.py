@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specstream.errors import InvalidRequestError
@@ -64,23 +64,31 @@ class IncrementalDetokenizer:
     """Text deltas for a growing sequence of token ids, never ending in a partial character.
 
     Args:
-        tokenizer: a ``tokenizers.Tokenizer``.
+        tokenizer: a ``tokenizers.Tokenizer`` (or None with ``decode``).
         skip_special_tokens: leave out special tokens (``<|im_end|>``, ...) as Hugging Face's streamers do.
+        decode: ``ids -> text`` used instead of ``tokenizer`` (a transformers tokenizer's ``decode``, say).
 
     ``push(ids)`` returns the text the new ids complete (possibly ``""`` while a character is incomplete);
     ``flush()`` returns what is left at the end (a trailing U+FFFD if the sequence ended mid-character). The
-    concatenation of every delta equals ``tokenizer.decode(all ids)``.
+    concatenation of every delta equals ``tokenizer.decode(all ids)``. Each push decodes only a short window (the
+    ids since the last emitted text and the few before them, for context), so a stream of ``n`` tokens costs
+    O(n), not the O(n^2) of decoding everything every step (the windowed detokenization of Hugging Face's
+    ``TextStreamer`` and vLLM's incremental detokenizer).
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True,
+                 decode: Callable[[list[int]], str] | None = None):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._decode_fn = decode
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True) if decode is None else None
         self.ids: list[int] = []
         self._prefix = 0  # start of the window re-decoded for context
         self._read = 0  # ids before this index have been emitted as text
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._decode_fn is not None:
+            return self._decode_fn(list(ids))
         return self.tokenizer.decode([i for i in ids if 0 <= i < self.vocab_size],
                                      skip_special_tokens=self.skip_special_tokens)
 

@@ -49,6 +49,7 @@ from specstream.errors import (
     SpecstreamError,
     UnsupportedParameterError,
 )
+from specstream.modalities.text import IncrementalDetokenizer
 from specstream.schedulers.plan import TokenDelta
 
 QOS_BATCH = "batch"
@@ -844,6 +845,9 @@ class _Stream:
         self.log, self.qos = log, qos
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        #: the text of the committed tokens so far, complete characters only, grown by windowed decodes
+        self.detok = IncrementalDetokenizer(None, decode=m.decode)
+        self.shown = ""
         self.sent_text = ""
         self.cut: int | None = None  # tokens kept when a stop string ended the output
         self.stop_text: str | None = None
@@ -874,6 +878,8 @@ class _Stream:
         new = list(delta.new_tokens)
         if self.params.stop:
             self._check_stop(k0)
+        else:
+            self.shown += self.detok.push(self._visible(new))
         if self.cut is not None:
             new = self.tokens[k0:self.cut]
         if self.on_delta is None:
@@ -886,26 +892,29 @@ class _Stream:
             self.on_delta(Delta(tuple(new), lps, released))
 
     def _check_stop(self, k0: int) -> None:
-        """Find the first stop string; keep tokens up to the one that completed it, and end the request."""
-        for k in range(k0 + 1, len(self.tokens) + 1):
-            text = self.m.decode(self._visible(self.tokens[:k]))
-            hits = [(text.find(s), s) for s in self.params.stop if s in text]
+        """Find the first stop string; keep tokens up to the one that completed it, and end the request. Token by
+        token from ``k0``; only the text a token adds (and the stop strings' length before it) is searched."""
+        for k in range(k0, len(self.tokens)):
+            before = len(self.shown)
+            self.shown += self.detok.push(self._visible(self.tokens[k:k + 1]))
+            start = max(0, before - self.hold + 1)
+            hits = [(pos, s) for s in self.params.stop if (pos := self.shown.find(s, start)) >= 0]
             if hits:
                 pos, _ = min(hits)
-                self.cut, self.stop_text = k, text[:pos]
+                self.cut, self.stop_text = k + 1, self.shown[:pos]
                 self.stopped = True
                 self.cancel()  # the output is complete: the loop ends the request before its next step
                 return
 
     def text(self, final: bool) -> str:
         """The text that may be shown now: everything when final, else without a tail that could still become a
-        stop string or that ends in an incomplete character."""
+        stop string (``shown`` never ends in an incomplete character)."""
         if self.stop_text is not None:
             return self.stop_text
-        text = self.m.decode(self._visible(self.tokens))
         if final:
-            return text
-        text = text.rstrip("\ufffd")
+            self.shown += self.detok.flush()
+            return self.shown
+        text = self.shown
         if self.hold > 1:
             text = text[:max(0, len(text) - (self.hold - 1))]
         return text

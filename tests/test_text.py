@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 
@@ -71,3 +72,33 @@ def test_generation_config_stop_ids_join_config_eos(tiny, hf_target, tmp_path):
     req = eng.generate([prompt], 12)[0]
     assert req.output_ids == free[: free.index(stop) + 1] == hf_greedy(hf_target, prompt, 12, eos=stop)
     assert req.finish_reason == "eos"
+
+
+@pytest.mark.parametrize("stop", [(), ("never appears",)])
+def test_streamed_chat_text_decodes_each_token_a_bounded_number_of_times(gpt2, stop):
+    """A 600-token stream, one token per step, through the server's stream follower (``serving._Stream``): the
+    released text equals decoding all ids at once, and the ids decoded in total grow linearly. The old follower
+    decoded the whole output every step (and every prefix again for stop strings): 600 x 601 / 2 = 180,300 ids
+    at least; now at most a short window per push."""
+    from types import SimpleNamespace
+
+    from specstream.schedulers.plan import TokenDelta
+    from specstream.stages.serving import GenerationParams, _Stream
+
+    ids = gpt2.encode((TEXT + " ") * 40, add_special_tokens=False).ids[:600]
+    decoded = [0]
+
+    def decode(window):
+        decoded[0] += len(window)
+        return gpt2.decode(window)
+
+    model = SimpleNamespace(decode=decode, eos=(50256,), info=SimpleNamespace(id="m"))
+    released = []
+    stream = _Stream(model, GenerationParams(stop=stop), lambda: None, lambda d: released.append(d.text),
+                     collections.deque(), "interactive")
+    for k, token in enumerate(ids):
+        stream.on_tokens(TokenDelta("r", (token,), (), k + 1, k + 1 == len(ids), "length" if k + 1 == len(ids)
+                                    else None, None))
+    assert "".join(released) == gpt2.decode(ids)
+    assert all("\ufffd" not in r for r in released)
+    assert decoded[0] <= 12 * len(ids), decoded[0]
