@@ -184,15 +184,25 @@ def supports(out_features: int, in_features: int, group_size: int, device: torch
             and in_features % GROUP == 0 and available())
 
 
+#: output channels packed at a time by :func:`pack` (its temporaries stay a few MB, not the weight's size again)
+PACK_ROWS = 4096
+
+
 def pack(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """The kernel's layout of codes ``q`` ``[N, K]`` (0..15) and ``scales_and_zeros`` ``[K / 32, N, 2]``:
-    ``[N / 16, K / 32, 320]`` uint8 (module docstring)."""
+    ``[N / 16, K / 32, 320]`` uint8 (module docstring), made :data:`PACK_ROWS` channels at a time."""
     n, k = q.shape
     b, g = n // LANES, k // GROUP
-    qq = q.to(torch.uint8).reshape(b, LANES, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [b, g, j, c, i, half]
-    codes = (qq[..., 0] | (qq[..., 1] << 4)).reshape(b, g, 256)
-    sz = scales_and_zeros.to(torch.bfloat16).permute(1, 0, 2).reshape(b, LANES, g, 2).permute(0, 2, 3, 1)
-    return torch.cat([codes, sz.contiguous().reshape(b, g, 32).view(torch.uint8)], 2).contiguous()
+    out = torch.empty(b, g, 320, dtype=torch.uint8, device=q.device)
+    step = max(1, PACK_ROWS // LANES)
+    for i in range(0, b, step):
+        j = min(b, i + step)
+        rows = slice(i * LANES, j * LANES)
+        qq = q[rows].to(torch.uint8).reshape(j - i, LANES, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [b, g, j, c, i, h]
+        out[i:j, :, :256] = (qq[..., 0] | (qq[..., 1] << 4)).reshape(j - i, g, 256)
+        sz = scales_and_zeros[:, rows].to(torch.bfloat16).permute(1, 0, 2).reshape(j - i, LANES, g, 2)
+        out[i:j, :, 256:] = sz.permute(0, 2, 3, 1).contiguous().reshape(j - i, g, 32).view(torch.uint8)
+    return out
 
 
 def _channels(packed: torch.Tensor, ids: torch.Tensor, part: slice, dtype: torch.dtype, inner: tuple[int, ...]):

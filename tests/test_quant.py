@@ -259,3 +259,29 @@ def test_auto_dtype_is_accepted_where_precisions_are_validated():
     assert KafkaSettings(dtype="auto").dtype == "auto"
     with pytest.raises(ValueError):
         ServerSettings(caption_dtype="int3")
+
+
+def test_loading_checks_each_packed_layer_a_block_of_rows_at_a_time(monkeypatch):
+    """The load-time kernel check makes its float reference ``CHECK_ROWS`` output rows at a time: on a Qwen2.5
+    embedding (151,936 x 1,536) the whole float copy and its temporaries took about 5 GB, the load's peak (7.0 GB
+    for the int4 pair, 2.3 GB resident after). Here a 10,000-row layer: no reference block above 4,096 rows, and a
+    corrupted code is still caught."""
+    from specstream.kernels import quant
+
+    sizes = []
+    real = quant.dequantize_int4
+
+    def recording(q, sz):
+        sizes.append(q.shape[0])
+        return real(q, sz)
+
+    monkeypatch.setattr(quant, "dequantize_int4", recording)
+    torch.manual_seed(0)
+    w = torch.randn(10_000, 64)
+    q, sz = quant.quantize_int4(w, 32)
+    layer = quant.Int4Linear.from_codes(q, sz, None, 32)
+    assert sizes and max(sizes) <= quant.CHECK_ROWS and sum(sizes) == 10_000
+    bad = sz.clone()
+    bad[0, 9_999, 0] *= 40  # one channel's scale far off: the check must still see the last block
+    with pytest.raises(quant.QuantKernelError):
+        quant.check_kernel(layer, lambda a, b: real(q[a:b], bad[:, a:b]), None)
