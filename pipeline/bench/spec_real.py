@@ -504,8 +504,13 @@ def plot(results: dict, path: Path) -> None:
         ax.bar(xs, ys, width, label=name)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))])
     ax.set_xticklabels(loads)
-    ax.set_ylabel("tokens/s (decode, float32)")
-    ax.set_title(f"Qwen2.5-Coder 1.5B/0.5B, {results['threads']} threads, {results['new_tokens']} new tokens")
+    llama = results.get("llama_bench")
+    if llama and llama.get("tok_s"):  # llama.cpp's plain decode of the same GGUF, the anchor of the run
+        ax.axhline(llama["tok_s"], color="black", linestyle="--", linewidth=1, label="llama.cpp, decode only (no prompt)")
+    ax.set_ylabel("tokens/s (end to end)")
+    dtypes = ",".join(results.get("dtypes") or ["float32"])
+    ax.set_title(f"Qwen2.5-Coder 1.5B/0.5B ({dtypes}), {results['threads']} threads, {results['new_tokens']} new "
+                 f"tokens; {results.get('cpu', '')}")
     ax.legend(fontsize=7, ncol=2)
     save_figure(fig, path, dpi=120)
 
