@@ -40,12 +40,10 @@ class FifoEncodeScheduler(FifoScheduler):
         self.last_plan: StepPlan | None = None
 
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
         if not request.encodes:
             super().add(request)
             return
-        self.requests[request.request_id] = request
+        self._register(request)  # queued, not in ``waiting`` until its encodes are booked
         self._encoding[request.request_id] = {i.item_id for i in request.encodes}
         self._encode_q.extend((request.request_id, i) for i in request.encodes)
 

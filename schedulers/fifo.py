@@ -9,21 +9,32 @@ from __future__ import annotations
 
 import time
 from collections import deque
-
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from specstream.schedulers.plan import (
     admissions,
     book_step_result,
     DecodeWork,
     ForkWork,
+    Phase,
     PrefillWork,
     Request,
+    RequestsView,
     RequestStatus,
     SlotRelease,
     StepOutput,
     StepPlan,
 )
+
+
+@dataclass
+class _Entry:
+    """The scheduler's one record of a request: the request and its phase (which fixes its queue membership).
+    Created by :meth:`FifoScheduler._register`, moved between phases only by :meth:`FifoScheduler._set_phase`,
+    dropped only by :meth:`FifoScheduler.pop_finished`."""
+
+    request: Request
+    phase: Phase = Phase.QUEUED
 
 
 class FifoScheduler:
@@ -44,9 +55,13 @@ class FifoScheduler:
         self.max_nodes_per_request = max_nodes_per_request
         self.token_budget = token_budget
         self.max_tree_depth = max_tree_depth
-        self.waiting: deque[Request] = deque()
-        self.running: dict[str, Request] = {}
-        self.requests: dict[str, Request] = {}
+        #: the one registry: request id -> its record, from add() to pop_finished(), in arrival order
+        self._entries: dict[str, _Entry] = {}
+        #: request id -> Request, a read-only view of ``_entries``
+        self.requests = RequestsView(self._entries)
+        # Ordered views of the records by phase, so a step walks only the requests it plans:
+        self.waiting: deque[Request] = deque()  # the queue (Phase.QUEUED), in admission order
+        self.running: dict[str, Request] = {}  # Phase.RUNNING (prefilled, decoding), in the order they prefilled
         self.free_slots: list[int] = list(range(num_slots))[::-1]
         self._released: list[SlotRelease] = []
         self.metrics = None  # no Prometheus metrics of its own
@@ -56,10 +71,36 @@ class FifoScheduler:
 
     # -- intake ---------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.requests[request.request_id] = request
+        """Queue a request.
+
+        Raises:
+            ValueError: duplicate request id.
+        """
+        self._register(request)
         self.waiting.append(request)
+
+    def _register(self, request: Request) -> _Entry:
+        """File ``request``'s record (phase ``QUEUED``); the caller puts it in a queue.
+
+        Raises:
+            ValueError: duplicate request id.
+        """
+        if request.request_id in self._entries:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        entry = self._entries[request.request_id] = _Entry(request)
+        return entry
+
+    def _set_phase(self, request: Request, phase: Phase) -> None:
+        """Move ``request``'s record to ``phase``: the one writer of the ``running`` index (``waiting`` is a queue
+        the planner pops in order). Entering ``RUNNING`` goes to the end of its order; staying keeps its place."""
+        entry = self._entries[request.request_id]
+        if entry.phase is phase:
+            return
+        if entry.phase is Phase.RUNNING:
+            del self.running[request.request_id]
+        if phase is Phase.RUNNING:
+            self.running[request.request_id] = request
+        entry.phase = phase
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -89,6 +130,7 @@ class FifoScheduler:
             self.waiting.popleft()
             req.slot = self.free_slots.pop()
             req.status = RequestStatus.RUNNING
+            self._set_phase(req, Phase.PREFILLING)
             prefills.append(PrefillWork.of(req, req.slot))
             budget -= len(req.prompt_ids)
             forks.extend(self._forks_of(req, children.get(req.request_id, ())))
@@ -112,6 +154,7 @@ class FifoScheduler:
             self.waiting.remove(child)
             child.slot = self.free_slots.pop()
             child.status = RequestStatus.RUNNING
+            self._set_phase(child, Phase.PREFILLING)
             out.append(ForkWork.of(child, child.slot, source.request_id))
         return out
 
@@ -121,10 +164,10 @@ class FifoScheduler:
         finished = []
         now = self.clock()
         for res in output.results:
-            req = self.requests[res.request_id]
+            req = self._entries[res.request_id].request
             done = book_step_result(req, res, now)
             if res.is_prefill:
-                self.running[req.request_id] = req
+                self._set_phase(req, Phase.RUNNING)
             if done:
                 self._finish(req)
                 finished.append(req)
@@ -132,23 +175,29 @@ class FifoScheduler:
 
     def _finish(self, req: Request) -> None:
         req.status = RequestStatus.FINISHED
-        self.running.pop(req.request_id, None)
+        self._set_phase(req, Phase.FINISHED)
         if req.slot is not None:
             self.free_slots.append(req.slot)
             self._released.append(SlotRelease(req.request_id, req.slot, req.model))
 
     def pop_finished(self, request_id: str) -> Request:
-        """Forget a finished request (the caller has its output)."""
-        return self.requests.pop(request_id)
+        """Forget a finished request (the caller has its output): its record leaves the registry, the one place
+        a request is dropped (it left the queue and the running index when it finished).
+
+        Raises:
+            KeyError: unknown request id.
+        """
+        return self._entries.pop(request_id).request
 
     def cancel(self, request_id: str) -> Request | None:
         """Stop a request now: finished with reason ``cancelled`` (out of the queue, or its slot released at the
         next step). Returns it, or None when it is unknown or already finished."""
-        req = self.requests.get(request_id)
-        if req is None or req.status is RequestStatus.FINISHED:
+        entry = self._entries.get(request_id)
+        if entry is None or entry.phase is Phase.FINISHED:
             return None
+        req = entry.request
         req.finish_reason = "cancelled"
-        if req in self.waiting:
+        if entry.phase is Phase.QUEUED and req in self.waiting:  # (a baseline's request may still be encoding)
             self.waiting.remove(req)
         self._finish(req)
         return req

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -23,6 +24,54 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued: encode pending, or waiting for a slot (new or preempted)
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class Phase(enum.Enum):
+    """Where a request stands in a scheduler: the state field of its one record (the scheduler's registry entry),
+    from which its queue membership follows. Finer than :class:`RequestStatus`: an admitted request is
+    ``PREFILLING`` (slot held, prefill not booked yet) before it is ``RUNNING`` (decoding)."""
+
+    QUEUED = "queued"  # not admitted: encode pending, waiting for a slot, or preempted
+    PREFILLING = "prefilling"  # slot held, prefill (chunks) not all booked
+    RUNNING = "running"  # prefilled, decoding
+    FINISHED = "finished"  # done, cancelled or failed; the record stays until ``pop_finished``
+
+
+class RequestsView(Mapping):
+    """Read-only ``request id -> Request`` view of a scheduler's registry (``request id -> record`` whose
+    ``request`` field is the :class:`Request`). Holds nothing of its own: a record added or popped shows at once.
+    ``get``, ``values`` and ``items`` are written out because the loop and :func:`admissions` call them every
+    step."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries: dict):
+        self._entries = entries
+
+    def __getitem__(self, request_id: str) -> "Request":
+        return self._entries[request_id].request
+
+    def get(self, request_id: str, default=None):
+        entry = self._entries.get(request_id)
+        return default if entry is None else entry.request
+
+    def __contains__(self, request_id) -> bool:
+        return request_id in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def values(self):
+        return [e.request for e in self._entries.values()]
+
+    def items(self):
+        return [(rid, e.request) for rid, e in self._entries.items()]
+
+    def __repr__(self) -> str:
+        return f"RequestsView({list(self._entries)!r})"
 
 
 #: QoS classes, highest priority first.
@@ -547,7 +596,7 @@ class Scheduler(Protocol):
     (returns the requests that finished). The scheduler never touches tensors.
     """
 
-    requests: dict[str, Request]
+    requests: Mapping[str, Request]  # read-only view of the scheduler's one registry (:class:`RequestsView`)
     metrics: object | None  # Prometheus metrics (``SchedulerMetrics``) or None
     multi_model: bool  # serves several runners (add_model, add_modality); FIFO: False
 

@@ -63,8 +63,10 @@ from specstream.schedulers.plan import (
     EncodeItem,
     EncodeWork,
     ForkWork,
+    Phase,
     PrefillWork,
     Request,
+    RequestsView,
     RequestStatus,
     SlotRelease,
     StepOutput,
@@ -255,13 +257,17 @@ class QosConfig:
 
 
 @dataclass
-class _Meta:
-    """Scheduler-side bookkeeping of one request (kept out of :class:`Request`)."""
+class _Entry:
+    """The scheduler's one record of a request: the request, its phase (which fixes its queue membership) and the
+    scheduler-side bookkeeping kept out of :class:`Request`. Created by :meth:`QosScheduler.add`, moved between
+    phases only by :meth:`QosScheduler._set_phase`, dropped only by :meth:`QosScheduler.pop_finished`."""
 
+    request: Request
     seq: int  # arrival order
     deadline: float  # absolute deadline, seconds on the scheduler clock
     pending: dict[str, EncodeItem]  # encode items not yet done, by item id
     wait_since: float  # arrival or last preemption
+    phase: Phase | None = None  # None until add() files it as QUEUED
     admit_rank: int | None = None  # first admission order (kept across preemptions)
     waits: list[float] = field(default_factory=list)  # queue waits, seconds (one per admission)
     first_prefill_s: float | None = None
@@ -294,11 +300,16 @@ class QosScheduler:
         self.clock = clock
         self.metrics = metrics
         self.multi_model = True
-        self.requests: dict[str, Request] = {}
-        self.running: dict[str, Request] = {}  # prefilled, decoding
-        self.prefilling: dict[str, Request] = {}  # admitted (slot held), prefill chunks still to run
-        self._queued: dict[str, Request] = {}  # not admitted, not finished (encode pending or waiting)
-        self._meta: dict[str, _Meta] = {}
+        #: the one registry: request id -> its record, from add() to pop_finished(), in arrival order
+        self._entries: dict[str, _Entry] = {}
+        #: request id -> Request, a read-only view of ``_entries``
+        self.requests = RequestsView(self._entries)
+        # Ordered indexes of the records by phase (id -> Request, in the order they entered the phase: decodes and
+        # sums run in that order), so a step walks only the requests of a phase. Written only by _set_phase.
+        self.running: dict[str, Request] = {}  # Phase.RUNNING: prefilled, decoding
+        self.prefilling: dict[str, Request] = {}  # Phase.PREFILLING: slot held, prefill chunks still to run
+        self._queued: dict[str, Request] = {}  # Phase.QUEUED: not admitted (encode pending or waiting)
+        self._index = {Phase.QUEUED: self._queued, Phase.PREFILLING: self.prefilling, Phase.RUNNING: self.running}
         self.encoders: dict[str, EncodeBatching] = dict(self.config.encoders)  # add_modality extends it
         self._encode_q: dict[str, list[tuple[str, EncodeItem, float]]] = {m: [] for m in self.encoders}
         self._in_flight: set[str] = set()  # encode item ids planned, not yet booked
@@ -381,7 +392,7 @@ class QosScheduler:
                 queue is full (``reason`` ``"queue_full"``).
         """
         cfg = self.config
-        if request.request_id in self.requests:
+        if request.request_id in self._entries:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if request.model not in self.limits:
             raise ModelNotLoadedError(f"model {request.model!r} is not loaded in this process "
@@ -407,31 +418,31 @@ class QosScheduler:
         deadline = request.deadline_s
         if deadline is None:
             deadline = request.arrival_s + cfg.default_deadline_s[request.qos]
-        self.requests[request.request_id] = request
-        self._queued[request.request_id] = request
         fork_of = request.fork_of if self._can_fork_from(request) else None
-        self._meta[request.request_id] = _Meta(self._seq, deadline, {} if fork_of else {
-            i.item_id: i for i in request.encodes}, request.arrival_s, fork_of=fork_of)
+        entry = _Entry(request, self._seq, deadline, {} if fork_of else {i.item_id: i for i in request.encodes},
+                       request.arrival_s, fork_of=fork_of)
+        self._entries[request.request_id] = entry
+        self._set_phase(entry, Phase.QUEUED)
         self._seq += 1
         if fork_of is None:
             self._enqueue_encodes(request)
 
     def _enqueue_encodes(self, request: Request) -> None:
-        meta = self._meta[request.request_id]
-        meta.pending = {i.item_id: i for i in request.encodes}
+        entry = self._entries[request.request_id]
+        entry.pending = {i.item_id: i for i in request.encodes}
         for item in request.encodes:
             self._encode_q[item.modality].append((request.request_id, item, request.arrival_s))
 
     def _can_fork_from(self, request: Request) -> bool:
         """``request`` names a fork source (:attr:`Request.fork_of`) of its model and prompt whose final prefill
         chunk is not planned yet: it then waits for that chunk instead of prefilling (and encoding) itself."""
-        src = self.requests.get(request.fork_of) if request.fork_of is not None else None
+        entry = self._entries.get(request.fork_of) if request.fork_of is not None else None
+        src = entry.request if entry is not None else None
         if src is None or src.finished or src.model != request.model or src.prompt_ids != request.prompt_ids:
             return False
-        if src.output_ids or self._meta[src.request_id].fork_of is not None:
+        if src.output_ids or entry.fork_of is not None:
             return False
-        return src.request_id in self._queued or (
-            src.request_id in self.prefilling and self._meta[src.request_id].planned < len(src.context))
+        return entry.phase is Phase.QUEUED or (entry.phase is Phase.PREFILLING and entry.planned < len(src.context))
 
     def _reject(self, request: Request, reason: str, message: str) -> None:
         self.rejections[request.qos] += 1
@@ -459,19 +470,19 @@ class QosScheduler:
     # -- priorities -----------------------------------------------------------------------------------------
     def slack_s(self, req: Request, now: float) -> float:
         """Deadline - now - the estimated time to generate what is left (``service_s_per_token`` per token)."""
-        return self._meta[req.request_id].deadline - now - self.config.service_s_per_token * req.remaining
+        return self._entries[req.request_id].deadline - now - self.config.service_s_per_token * req.remaining
 
     def _effective(self, req: Request, now: float) -> tuple[float, float]:
         """(rank, deadline): a batch request short of slack is promoted (after interactive, before batch)."""
-        meta = self._meta[req.request_id]
+        entry = self._entries[req.request_id]
         rank = _RANK[req.qos]
         if req.qos == "batch" and self.slack_s(req, now) < self.config.promote_slack_s:
-            return _PROMOTED, meta.deadline
-        return rank, meta.deadline
+            return _PROMOTED, entry.deadline
+        return rank, entry.deadline
 
     def _key(self, req: Request, now: float) -> tuple:
         rank, deadline = self._effective(req, now)
-        return rank, deadline, self._meta[req.request_id].seq
+        return rank, deadline, self._entries[req.request_id].seq
 
     def _is_batch_work(self, req: Request, now: float) -> bool:
         return self._effective(req, now)[0] == _RANK["batch"]
@@ -482,7 +493,7 @@ class QosScheduler:
         now = self.clock()
         self._step += 1
         encodes = self._plan_encodes(now)
-        ready = sorted((r for r in self._queued.values() if not self._meta[r.request_id].pending),
+        ready = sorted((r for r in self._queued.values() if not self._entries[r.request_id].pending),
                        key=lambda r: self._key(r, now))
         self._preempt_for_realtime(ready, now)
         self._preempt_for_memory(now)
@@ -521,9 +532,9 @@ class QosScheduler:
         """Memory units held: cached tokens of decoding and prefilling requests, plus encoder outputs (bytes
         mode)."""
         held = sum(len(r.context) * self._unit(r) for r in self.running.values())
-        held += sum(self._meta[r.request_id].cached * self._unit(r) for r in self.prefilling.values())
+        held += sum(self._entries[r.request_id].cached * self._unit(r) for r in self.prefilling.values())
         if self.bytes_mode:
-            held += sum(m.encoded_bytes for m in self._meta.values())
+            held += sum(e.encoded_bytes for e in self._entries.values())
         return held
 
     def kv_tokens(self, plan: StepPlan | None = None) -> int:
@@ -532,7 +543,7 @@ class QosScheduler:
         held = self._held()
         if plan is None:
             return held
-        unit = lambda rid: self._unit(self.requests[rid])  # noqa: E731
+        unit = lambda rid: self._unit(self._entries[rid].request)  # noqa: E731
         return held + sum(d.node_budget * unit(d.request_id) for d in plan.decodes) + sum(
             p.num_tokens * unit(p.request_id) for p in plan.prefills) + sum(
             f.context_len * unit(f.request_id) for f in plan.forks)
@@ -543,9 +554,10 @@ class QosScheduler:
     def _mem_left(self, nodes: dict[str, int], prefills, forks=()) -> int:
         """Memory units left after holding, the planned tree nodes, the planned prefill chunks and the prompts
         copied into the planned forks' slots (a fork holds no cached tokens until the step's copy)."""
-        used = self._held() + sum(n * self._unit(self.requests[rid]) for rid, n in nodes.items()) + sum(
-            p.num_tokens * self._unit(self.requests[p.request_id]) for p in prefills) + sum(
-            f.context_len * self._unit(self.requests[f.request_id]) for f in forks)
+        entries = self._entries
+        used = self._held() + sum(n * self._unit(entries[rid].request) for rid, n in nodes.items()) + sum(
+            p.num_tokens * self._unit(entries[p.request_id].request) for p in prefills) + sum(
+            f.context_len * self._unit(entries[f.request_id].request) for f in forks)
         return max(0, self.kv_budget - used)
 
     def _room(self, req: Request) -> int:
@@ -586,7 +598,7 @@ class QosScheduler:
         """Budget kept for ``batch`` work this step: its guaranteed share, bounded by what it could use."""
         share = math.ceil(self.config.batch_share * self.config.token_budget)
         demand = sum((self._want(r) - 1) * self._cost(r) for r in running if self._is_batch_work(r, now))
-        demand += sum(min(len(r.context) - self._meta[r.request_id].planned, share) * self._cost(r)
+        demand += sum(min(len(r.context) - self._entries[r.request_id].planned, share) * self._cost(r)
                       for r in self.prefilling.values() if self._is_batch_work(r, now))
         nxt = next((r for r in ready if self._is_batch_work(r, now)), None)
         if nxt is not None and self._can_take_slot(nxt):
@@ -638,7 +650,7 @@ class QosScheduler:
         Returns the work and the budget left."""
         cfg = self.config
         prefills: list[PrefillWork] = []
-        growth = sum(n * self._unit(self.requests[rid]) for rid, n in nodes.items())
+        growth = sum(n * self._unit(self._entries[rid].request) for rid, n in nodes.items())
         only_batch = False  # set when a higher request waits for tokens kept for batch's share
         rt_active = self._realtime_active()
         cap = cfg.realtime_prefill_chunk_tokens if rt_active else None
@@ -657,10 +669,10 @@ class QosScheduler:
                 continue
             if not cont and not self._free[req.model]:
                 continue  # no slot of its model (another model's request may still go)
-            meta = self._meta[req.request_id]
-            if meta.fork_of is not None or req.request_id in forked:
+            entry = self._entries[req.request_id]
+            if entry.fork_of is not None or req.request_id in forked:
                 continue  # it starts as a copy of its source's prefill (planned with that chunk)
-            start = meta.planned if cont else 0
+            start = entry.planned if cont else 0
             left = len(req.context) - start
             room = math.floor((budget if batch_work else budget - reserve) / self._cost(req) + 1e-9)
             n = left
@@ -702,10 +714,10 @@ class QosScheduler:
                     break
                 self._admit(req, now)
             prefills.append(PrefillWork.of(req, req.slot, n, start))
-            meta.planned = start + n
+            entry.planned = start + n
             budget -= n * self._cost(req)
             growth += n * self._unit(req)
-            if meta.planned >= len(req.context):
+            if entry.planned >= len(req.context):
                 growth += self._plan_forks(req, forks, growth, now)
                 forked.update(fw.request_id for fw in forks)
             if req.qos != "realtime":
@@ -723,15 +735,15 @@ class QosScheduler:
         limit = self.kv_budget if source.qos == "realtime" else self.config.kv_high_watermark * self.kv_budget
         held = 0
         for child in sorted((r for r in self._queued.values()
-                             if self._meta[r.request_id].fork_of == source.request_id),
-                            key=lambda r: self._meta[r.request_id].seq):
-            meta = self._meta[child.request_id]
-            meta.fork_of = None
+                             if self._entries[r.request_id].fork_of == source.request_id),
+                            key=lambda r: self._entries[r.request_id].seq):
+            entry = self._entries[child.request_id]
+            entry.fork_of = None
             need = (len(child.context) + child.remaining) * self._unit(child)
             if not self._can_take_slot(child) or self._held() + growth + held + need > limit:
                 continue  # no slot or no room: it prefills itself (the executor shares the prompt embeddings)
             self._admit(child, now)
-            meta.planned = len(child.context)
+            entry.planned = len(child.context)
             forks.append(ForkWork.of(child, child.slot, source.request_id))
             held += len(child.context) * self._unit(child)
         return held
@@ -740,25 +752,26 @@ class QosScheduler:
         """``source`` ended before its final prefill chunk: requests waiting to fork from it prefill themselves
         (their media are queued for encoding now)."""
         for child in list(self._queued.values()):
-            meta = self._meta[child.request_id]
-            if meta.fork_of == source.request_id:
-                meta.fork_of = None
+            entry = self._entries[child.request_id]
+            if entry.fork_of == source.request_id:
+                entry.fork_of = None
                 self._enqueue_encodes(child)
 
     def _admit(self, req: Request, now: float) -> None:
-        self._queued.pop(req.request_id)
+        entry = self._entries[req.request_id]
+        if entry.phase is not Phase.QUEUED:
+            raise RuntimeError(f"request {req.request_id!r} is {entry.phase}, not queued")
         req.slot = self._free[req.model].pop()
         req.status = RequestStatus.RUNNING
-        self.prefilling[req.request_id] = req
-        meta = self._meta[req.request_id]
-        meta.cached = meta.planned = 0
-        if meta.admit_rank is None:
-            meta.admit_rank = self._admit_rank
+        self._set_phase(entry, Phase.PREFILLING)
+        entry.cached = entry.planned = 0
+        if entry.admit_rank is None:
+            entry.admit_rank = self._admit_rank
             self._admit_rank += 1
-        wait = now - meta.wait_since
-        meta.waits.append(wait)
-        if meta.first_prefill_s is None:
-            meta.first_prefill_s = now
+        wait = now - entry.wait_since
+        entry.waits.append(wait)
+        if entry.first_prefill_s is None:
+            entry.first_prefill_s = now
         if self.metrics:
             self.metrics.queue_wait.labels(req.model, req.qos).observe(wait)
 
@@ -768,7 +781,7 @@ class QosScheduler:
         first admitted first."""
         cands = [r for r in list(self.running.values()) + list(self.prefilling.values())
                  if r.qos in classes and (model is None or r.model == model)]
-        return sorted(cands, key=lambda r: (-_RANK[r.qos], -self._meta[r.request_id].admit_rank))
+        return sorted(cands, key=lambda r: (-_RANK[r.qos], -self._entries[r.request_id].admit_rank))
 
     def _preempt_for_realtime(self, ready: list[Request], now: float) -> None:
         if not self.config.preempt:
@@ -797,7 +810,7 @@ class QosScheduler:
             held += (len(req.context) + req.remaining) * self._unit(req)
 
     def _freed(self, req: Request) -> int:
-        cached = len(req.context) if req.request_id in self.running else self._meta[req.request_id].cached
+        cached = len(req.context) if req.request_id in self.running else self._entries[req.request_id].cached
         return cached * self._unit(req)
 
     def _preempt_for_memory(self, now: float) -> None:
@@ -808,18 +821,16 @@ class QosScheduler:
             self._preempt(victims.pop(0), now)
 
     def _preempt(self, req: Request, now: float) -> None:
-        self.running.pop(req.request_id, None)
-        self.prefilling.pop(req.request_id, None)
+        entry = self._entries[req.request_id]
         self._preempted.append(SlotRelease(req.request_id, req.slot, req.model))
         self._free[req.model].append(req.slot)
         req.slot = None
         req.status = RequestStatus.WAITING
         req.preemptions += 1
         req.spec_sent = False  # the runner frees its cache: the resume sends the spec again, with the output so far
-        self._queued[req.request_id] = req
-        meta = self._meta[req.request_id]
-        meta.wait_since = now
-        meta.cached = meta.planned = 0
+        self._set_phase(entry, Phase.QUEUED)
+        entry.wait_since = now
+        entry.cached = entry.planned = 0
         self.preemptions += 1
         if self.metrics:
             self.metrics.preemptions.labels(req.model, req.qos).inc()
@@ -839,17 +850,19 @@ class QosScheduler:
             if not queue:
                 continue
             bcfg = self.encoders[modality]
-            has_rt = any(self.requests[rid].qos == "realtime" for rid, _, _ in queue)
+            entries = self._entries
+            has_rt = any(entries[rid].request.qos == "realtime" for rid, _, _ in queue)
             due = min(t for _, _, t in queue) + bcfg.max_delay_s <= now + 1e-12
             if not (has_rt or due or len(queue) >= bcfg.max_batch):
                 continue
-            queue.sort(key=lambda e: self._key(self.requests[e[0]], now) + (e[1].item_id,))
+            queue.sort(key=lambda e: self._key(entries[e[0]].request, now) + (e[1].item_id,))
             batch_cap = max(1, math.ceil(self.config.batch_share * bcfg.max_batch)) if higher_active else None
             taken, rest, n_batch, n_other = [], [], 0, 0
             for entry in queue:
                 rid = entry[0]
-                is_batch = self._is_batch_work(self.requests[rid], now)
-                is_rt = self.requests[rid].qos == "realtime"
+                req = entries[rid].request
+                is_batch = self._is_batch_work(req, now)
+                is_rt = req.qos == "realtime"
                 if (len(taken) >= bcfg.max_batch or (is_batch and batch_cap is not None and n_batch >= batch_cap)
                         or (rt_active and not is_rt and n_other >= self.config.guard_encode_items)):
                     rest.append(entry)
@@ -882,32 +895,31 @@ class QosScheduler:
         finished = []
         now = self.clock()
         for enc in output.encoded:
-            req = self.requests.get(enc.request_id)
+            entry = self._entries.get(enc.request_id)
             self._in_flight.discard(enc.item_id)
-            if req is None or req.finished:
+            if entry is None or entry.request.finished:
                 continue
-            meta = self._meta[req.request_id]
-            item = meta.pending.pop(enc.item_id, None)
+            req = entry.request
+            item = entry.pending.pop(enc.item_id, None)
             if item is not None and enc.error is None:
-                meta.encoded_bytes += item.out_bytes
+                entry.encoded_bytes += item.out_bytes
             if enc.error is not None:
                 req.error = enc.error
                 req.finish_reason = "error"
                 self._finish(req)
                 finished.append(req)
         for res in output.results:
-            req = self.requests[res.request_id]
+            entry = self._entries[res.request_id]
+            req = entry.request
             if req.finished:
                 continue
             done = book_step_result(req, res, now)
             if res.is_prefill and res.error is None:
-                meta = self._meta[req.request_id]
                 if res.prefill_done:
-                    self.prefilling.pop(req.request_id, None)
-                    meta.cached = meta.planned = 0
-                    self.running[req.request_id] = req
+                    entry.cached = entry.planned = 0
+                    self._set_phase(entry, Phase.RUNNING)
                 else:
-                    meta.cached = meta.planned
+                    entry.cached = entry.planned
             if done:
                 self._finish(req)
                 finished.append(req)
@@ -916,12 +928,9 @@ class QosScheduler:
     def _finish(self, req: Request) -> None:
         self._release_forks(req)
         req.status = RequestStatus.FINISHED
-        self.running.pop(req.request_id, None)
-        self.prefilling.pop(req.request_id, None)
-        self._queued.pop(req.request_id, None)
-        meta = self._meta.get(req.request_id)
-        if meta is not None:
-            meta.encoded_bytes = 0  # the request's encoder outputs are dropped with it
+        entry = self._entries[req.request_id]
+        self._set_phase(entry, Phase.FINISHED)
+        entry.encoded_bytes = 0  # the request's encoder outputs are dropped with it
         for modality, queue in self._encode_q.items():
             self._encode_q[modality] = [e for e in queue if e[0] != req.request_id]
         if req.slot is not None:
@@ -933,18 +942,37 @@ class QosScheduler:
     def cancel(self, request_id: str) -> Request | None:
         """Stop a request now (its client went away): finished with reason ``cancelled``, its slot released at
         the next step. Returns it, or None when it is unknown or already finished."""
-        req = self.requests.get(request_id)
-        if req is None or req.finished:
+        entry = self._entries.get(request_id)
+        if entry is None or entry.request.finished:
             return None
+        req = entry.request
         req.finish_reason = "cancelled"
         self._finish(req)
         return req
 
     def pop_finished(self, request_id: str) -> Request:
-        """Forget a finished request (the caller has its output)."""
-        self._meta.pop(request_id, None)
-        return self.requests.pop(request_id)
+        """Forget a finished request (the caller has its output): its record leaves the registry, the one place
+        a request is dropped (it left every phase index when it finished).
+
+        Raises:
+            KeyError: unknown request id.
+        """
+        return self._entries.pop(request_id).request
+
+    def _set_phase(self, entry: _Entry, phase: Phase) -> None:
+        """Move ``entry`` to ``phase``: the one writer of the phase indexes (``_queued``, ``prefilling``,
+        ``running``). A record entering a phase goes to the end of that phase's order; staying keeps its place."""
+        if entry.phase is phase:
+            return
+        rid = entry.request.request_id
+        old = self._index.get(entry.phase)
+        if old is not None:
+            del old[rid]
+        new = self._index.get(phase)
+        if new is not None:
+            new[rid] = entry.request
+        entry.phase = phase
 
     def queue_waits(self, request_id: str) -> list[float]:
         """Seconds each (re)admission of the request waited (arrival or preemption to prefill)."""
-        return list(self._meta[request_id].waits)
+        return list(self._entries[request_id].waits)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
 
 import pytest
@@ -151,3 +152,52 @@ def test_flood_slack_promotion_keeps_interactive_slo_and_never_starves_batch():
     batch = [r for r in res.records.values() if r.qos == "batch"]
     assert len(batch) == 400 and not any(r.rejected for r in batch)
     assert all(r.finish_s is not None and r.latency_s <= r.deadline_s for r in batch), out
+
+
+@pytest.mark.parametrize("policy", ["qos", "fifo", "static"])
+def test_one_record_per_request_and_phase_indexes_follow_it(policy):
+    """Issue 20, item 4: each scheduler files a request once (``_entries``); after every step its phase indexes hold
+    exactly the records of their phase (a record that stays keeps its place), ``requests`` shows the registry,
+    and once the replay has popped every finished request nothing is left anywhere."""
+    from specstream.schedulers.plan import Phase
+    from specstream.schedulers.simulator import SimExecutor, VirtualClock, make_scheduler, replay
+
+    rng = random.Random(11)
+    events = [TraceEvent(rng.uniform(0, 400), f"r{i}", rng.choice(["realtime", "interactive", "batch"]),
+                         rng.uniform(50, 5000), rng.randint(1, 60), rng.randint(1, 40), rng.randint(0, 2),
+                         rng.choice([0.0, 1.5]), rng.random()) for i in range(40)]
+    cfg = SimConfig(policy=policy, scheduler=SMALL, cost=CPU_2CORE)
+    clock = VirtualClock(0.0)
+    sched = make_scheduler(cfg, clock, None)
+    ex = SimExecutor(cfg.cost, {e.id: e.acceptance for e in events}, SMALL.max_len, cfg.tree_widths)
+    names = {Phase.QUEUED: "_queued", Phase.PREFILLING: "prefilling", Phase.RUNNING: "running"}
+    if policy != "qos":
+        names = {Phase.RUNNING: "running"}
+    seen: set[Phase] = set()
+
+    def step():
+        before = {phase: list(getattr(sched, name)) for phase, name in names.items()}
+        finished = sched.update(ex.execute(sched.schedule()))
+        assert dict(sched.requests) == {rid: e.request for rid, e in sched._entries.items()}
+        seen.update(e.phase for e in sched._entries.values())
+        for phase, name in names.items():
+            index = getattr(sched, name)
+            assert set(index) == {rid for rid, e in sched._entries.items() if e.phase is phase}, phase
+            assert all(index[rid] is sched._entries[rid].request for rid in index)
+            stayed = [rid for rid in before[phase] if rid in index]
+            assert list(index)[:len(stayed)] == stayed, phase  # newcomers go to the end
+        if policy != "qos":
+            assert {r.request_id for r in sched.waiting} <= {
+                rid for rid, e in sched._entries.items() if e.phase is Phase.QUEUED}
+        assert all(sched._entries[r.request_id].phase is Phase.FINISHED for r in finished)
+        return finished
+
+    res = replay(events, sched, step, clock, cfg.cost)
+    assert all(r.rejected or r.finish_s is not None for r in res.records.values())
+    assert seen >= {Phase.QUEUED, Phase.RUNNING, Phase.FINISHED}
+    if policy == "qos":  # (FIFO prefills within the step that admits: PREFILLING never outlasts it)
+        assert res.preemptions > 0 and Phase.PREFILLING in seen  # chunked prefills; preempted records re-queued
+        assert (sched._entries, sched._queued, sched.prefilling, sched.running) == ({}, {}, {}, {})
+    else:
+        assert (sched._entries, sched.running, list(sched.waiting)) == ({}, {}, [])
+    assert len(sched.requests) == 0
