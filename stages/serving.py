@@ -49,6 +49,7 @@ from specstream.errors import (
     UnsupportedParameterError,
 )
 from specstream.schedulers.plan import TokenDelta
+from specstream.types import Word
 
 QOS_BATCH = "batch"
 QOS_INTERACTIVE = "interactive"
@@ -241,13 +242,6 @@ class Generation:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     stats: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Word:
-    start_s: float
-    end_s: float
-    word: str
 
 
 @dataclass(frozen=True)
@@ -1024,10 +1018,7 @@ def has_audio_stream(path: str | os.PathLike) -> bool:
 
 
 def _transcript_segment(s) -> TranscriptSegment:
-    """The hub's :class:`TranscriptSegment` of a speech path's segment (``stages.speech.Segment``)."""
-    words = tuple(Word(float(w.start_s if hasattr(w, "start_s") else w.start),
-                       float(w.end_s if hasattr(w, "end_s") else w.end),
-                       str(getattr(w, "word", getattr(w, "text", ""))))
-                  for w in getattr(s, "words", ()) or ())
-    return TranscriptSegment(float(s.start_s), float(s.end_s), s.text, words,
-                             getattr(s, "avg_logprob", None), getattr(s, "no_speech_prob", None))
+    """The hub's :class:`TranscriptSegment` of a speech path's segment (``stages.speech.Segment``; its words are
+    already :class:`~specstream.types.Word` s and are kept as they are)."""
+    return TranscriptSegment(float(s.start_s), float(s.end_s), s.text, tuple(s.words), s.avg_logprob,
+                             s.no_speech_prob)

@@ -36,3 +36,17 @@ def test_a_prompt_is_refused_before_the_speech_model_loads(tmp_path):
 
     asyncio.run(run())
     assert hub._speech is None
+
+
+def test_segments_carry_the_speech_paths_words_as_made():
+    """One word type (``specstream.types.Word``): the speech path's words reach the hub's segments unchanged,
+    their probability included (was: copied into a second word type, chosen by ``hasattr``, without it)."""
+    from specstream.stages import serving, speech, whisper_timing
+    from specstream.types import Word
+
+    assert whisper_timing.Word is Word and serving.Word is Word
+    words = (Word(0.0, 0.4, " Ada", 0.91), Word(0.5, 0.9, " spoke.", 0.87))
+    seg = serving._transcript_segment(speech.Segment(0.0, 0.9, " Ada spoke.", (1, 2), words, -0.2, 0.01))
+    assert seg.words == words and seg.words[0].probability == 0.91
+    assert (seg.start_s, seg.end_s, seg.text, seg.avg_logprob, seg.no_speech_prob) == (0.0, 0.9, " Ada spoke.",
+                                                                                       -0.2, 0.01)
