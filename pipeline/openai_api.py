@@ -560,7 +560,7 @@ async def _turns(body: ChatRequest, hub, settings) -> tuple[tuple, _Media]:
 async def _video_frames(hub, media: _Media, url: str, question: str, where: str, settings) -> list[np.ndarray]:
     """A video's keyframes chosen as ``specstream qa`` chooses them: spread over the scenes, or (with a CLIP model)
     the ones most similar to the message's text; at most ``chat_video_frames``, in time order."""
-    from specstream.pipeline.qa_stage import spread_indices, top_k_indices
+    from specstream.stages.qa import spread_indices, top_k_indices
 
     path, _, opened = await asyncio.to_thread(media.open, url, "video", where)
     try:

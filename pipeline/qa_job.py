@@ -2,7 +2,7 @@
 
 A manifest line is ``{"id": "...", "video": "path or file:// URI", "questions": [{"id": "...", "text": "..."}]}``
 (relative paths are read relative to the manifest's folder). Each video becomes one ``video_qa`` request with its
-questions still to answer; :class:`~specstream.pipeline.qa_stage.QaStage` answers them, in this process (called
+questions still to answer; :class:`~specstream.stages.qa.VideoQA` answers them, in this process (called
 directly, no broker) or, with ``--broker kafka://HOST:PORT``, in any number of ``specstream worker`` processes
 sharing the job through the consumer group, while this process collects the results.
 
@@ -39,6 +39,7 @@ from specstream.errors import (
     SpecstreamError,
     UnreadableSourceError,
 )
+from specstream.stages.qa import QaOptions  # noqa: F401  (the per-question options; re-exported)
 
 MAX_LINE_BYTES = 1 << 20
 UNTRAINED_QA_NOTICE = ("note: answering with the built-in tiny VLM, whose weights are UNTRAINED: its answers are "
@@ -257,26 +258,6 @@ class AnswerFile:
 
 # -- the job ---------------------------------------------------------------------------------------------------------
 @dataclass
-class QaOptions:
-    """Per-question limits and model choice (the params of each ``video_qa`` request)."""
-
-    max_frames: int = 4
-    max_visual_tokens: int | None = None
-    max_new_tokens: int = 32
-    max_transcript_tokens: int = 256
-    use_transcript: bool = True
-    answer_with: str = "vlm"
-    max_keyframes_per_minute: float | None = None
-    schema: dict[str, Any] | None = None  # ``--schema``: every answer follows this JSON Schema
-
-    def params(self) -> dict[str, Any]:
-        return {"max_frames": self.max_frames, "max_visual_tokens": self.max_visual_tokens,
-                "max_new_tokens": self.max_new_tokens, "max_transcript_tokens": self.max_transcript_tokens,
-                "use_transcript": self.use_transcript, "answer_with": self.answer_with,
-                "max_keyframes_per_minute": self.max_keyframes_per_minute, "schema": self.schema}
-
-
-@dataclass
 class QaSummary:
     videos: int = 0
     questions: int = 0
@@ -413,19 +394,61 @@ async def run_qa(manifest: str, out_path: str, options: QaOptions, hub=None, kaf
 
 
 async def _run_embedded(hub, requests, index, on_result, concurrency: int) -> dict[str, Any]:
-    """Answer ``requests`` in this process: :meth:`QaStage.handle` per request (``concurrency`` videos at once),
-    its results handed to ``on_result`` as each is answered; no broker between them."""
-    from specstream.pipeline.qa_stage import QaStage
+    """Answer ``requests`` in this process: :meth:`~specstream.stages.qa.VideoQA.answer_video` per request
+    (``concurrency`` videos at once), each outcome handed to ``on_result`` as the result a worker would publish;
+    no broker and no consumer between them. A request that fails outside its questions gives the error result of
+    each question not yet handed on, as on a worker."""
+    import logging
+    from contextlib import aclosing
 
-    got: dict[str, set[int]] = {rid: set() for rid in index}
+    from specstream.pipeline.caption_stages import error_info, resolve_source
+    from specstream.pipeline.messages import PipelineResult, QaParams
+    from specstream.stages.caption import MAX_SOURCE_BYTES
+    from specstream.stages.qa import VideoQA
 
-    async def emit(res) -> None:
-        if res.id in got and res.seq not in got[res.id]:
-            got[res.id].add(res.seq)
-            on_result(res)
+    qa = VideoQA(hub)
+    sem = asyncio.Semaphore(max(1, concurrency))
 
-    stage = QaStage(None, hub, allowed_roots=None, concurrency=concurrency, emit=emit)
-    tasks = [asyncio.create_task(stage.handle(req)) for req in requests]
+    async def answer(req) -> None:
+        params = QaParams(**req.params)
+        video_id = params.video_id or req.id
+        last = len(params.questions) - 1
+        done: set[int] = set()
+
+        def result(i: int, output: dict | None, error=None) -> None:
+            done.add(i)
+            on_result(PipelineResult(id=req.id, status="ok" if error is None else "error", output=output,
+                                     error=error, seq=i, final=i == last))
+
+        async with sem:
+            path, shown, tmp, error = None, req.source.uri, None, None
+            try:
+                if any(q.text.strip() for q in params.questions):
+                    try:
+                        path, shown, tmp = resolve_source(req, None, MAX_SOURCE_BYTES)
+                    except SpecstreamError as exc:
+                        error = exc
+                outcomes = qa.answer_video(path, shown, params.questions, params, video_id, None,
+                                           MAX_SOURCE_BYTES, error)
+                async with aclosing(outcomes):
+                    async for i, outcome in outcomes:
+                        base = {"id": video_id, "question_id": params.questions[i].id, "video": shown}
+                        if isinstance(outcome, Exception):
+                            result(i, base, error_info(outcome))
+                        else:
+                            result(i, {**base, **outcome})
+            except Exception as exc:  # outside the questions: each one left ends with it, as on a worker
+                if not isinstance(exc, SpecstreamError):
+                    logging.getLogger("specstream.qa").exception("request %s failed", req.id)
+                for i, q in enumerate(params.questions):
+                    if i not in done:
+                        qa.stats["failed"] += 1
+                        result(i, {"id": video_id, "question_id": q.id, "video": req.source.uri}, error_info(exc))
+            finally:
+                if tmp:
+                    os.unlink(tmp)
+
+    tasks = [asyncio.create_task(answer(req)) for req in requests]
     try:
         await asyncio.gather(*tasks)
     finally:
@@ -433,7 +456,7 @@ async def _run_embedded(hub, requests, index, on_result, concurrency: int) -> di
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await hub.stop()
-    return dict(stage.stats)
+    return dict(qa.stats)
 
 
 async def _collect_kafka(settings, requests, index, on_result, timeout_s: float) -> None:

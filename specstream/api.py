@@ -334,7 +334,7 @@ def answer(video: Source, questions: str | Sequence[str], *, target: Source | No
     _prepare_process()
     from specstream.modalities.source import open_source
     from specstream.pipeline.messages import QaParams
-    from specstream.pipeline.qa_stage import QaStage
+    from specstream.stages.qa import VideoQA
     from specstream.stages.serving import HubConfig, ModelHub
 
     from pydantic import ValidationError
@@ -354,7 +354,7 @@ def answer(video: Source, questions: str | Sequence[str], *, target: Source | No
                              num_slots=num_slots, dtype=dtype, device=device))
 
     async def run(emit):
-        stage = QaStage(None, hub)  # its answering functions; no broker between them and this call
+        stage = VideoQA(hub)  # the answering stage, called directly
         try:
             ctx = await stage.video_context(opened.path, path, params)
             previous = None

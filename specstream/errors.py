@@ -201,7 +201,7 @@ class UnsupportedParameterError(InvalidRequestError):
     code = "unsupported_parameter"
 
 
-# --- batch video question answering (pipeline/qa_job.py, pipeline/qa_stage.py) ----------------------------------------
+# --- batch video question answering (pipeline/qa_job.py, stages/qa.py, pipeline/qa_stage.py) ----------------------
 
 
 class EmptyQuestionError(InvalidRequestError):

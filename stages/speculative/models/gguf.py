@@ -408,7 +408,7 @@ def convert_gguf_quantized(src: str | os.PathLike, dst: str | os.PathLike, label
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     model = read_gguf(src)
-    _check_space(dst.parent, model.float32_bytes // 4 + SPACE_MARGIN)
+    check_space(dst.parent, model.float32_bytes // 4 + SPACE_MARGIN, "converting", _CONVERT_SPACE)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     heads, kv_heads = model.config["num_attention_heads"], model.config["num_key_value_heads"]
@@ -490,16 +490,26 @@ def fingerprint(path: str | os.PathLike) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _check_space(folder: Path, need: int) -> None:
+_CONVERT_SPACE = "the de-quantised float32 weights"
+
+
+def check_space(folder: Path, need: int, doing: str, what: str) -> None:
+    """Raise unless ``need`` bytes are free on the disk of ``folder`` (or of its nearest existing parent).
+
+    ``doing`` and ``what`` name the work in the message: "{doing} needs about N GiB free under {folder} ({what})".
+    Used here (GGUF conversion) and by ``pipeline/models_fetch.py`` (fetching weights).
+
+    Raises:
+        InsufficientSpaceError: less than ``need`` bytes free.
+    """
     probe = folder
     while not probe.exists():
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if free < need:
         raise InsufficientSpaceError(
-            f"converting needs about {need / 2**30:.2f} GiB free under {folder} (the de-quantised float32 "
-            f"weights), but only {free / 2**30:.2f} GiB is free; free some space or set SPECSTREAM_CACHE to "
-            f"another disk")
+            f"{doing} needs about {need / 2**30:.2f} GiB free under {folder} ({what}), but only "
+            f"{free / 2**30:.2f} GiB is free; free some space or set SPECSTREAM_CACHE to another disk")
 
 
 def _write_tokenizer(model: GgufModel, out: Path) -> None:
@@ -542,7 +552,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, show_progress: 
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     model = read_gguf(src)
-    _check_space(dst.parent, model.float32_bytes + SPACE_MARGIN)
+    check_space(dst.parent, model.float32_bytes + SPACE_MARGIN, "converting", _CONVERT_SPACE)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
     show = sys.stderr.isatty() if show_progress is None else show_progress
