@@ -78,6 +78,13 @@ class CostModel:
     def draft_s(self, depth: int, nodes: int) -> float:
         return self.draft_level_s * depth + self.draft_per_node_s * nodes if depth > 0 else 0.0
 
+    @property
+    def draft_read_token_s(self) -> float:
+        """Seconds the draft takes per committed token it reads to catch up (a prompt, the tokens of steps it did
+        not draft): a read is a prefill of the draft, so the target's seconds per token scaled by the draft's
+        share of a step (``draft_level_s / step_fixed_s``)."""
+        return self.per_token_s * self.draft_level_s / self.step_fixed_s if self.step_fixed_s > 0 else 0.0
+
     def encode_s(self, modality: str, units: list[float]) -> float:
         cost = self.encoders.get(modality)
         if cost is None:

@@ -206,8 +206,8 @@ class SimExecutor:
 
     def _gated(self, plan: StepPlan) -> StepPlan:
         """``plan`` with its trees cut by the gate, as the live executor's ``_gate_step`` (its warm-up until both
-        costs were measured; each row's catch-up read, the tokens its draft has not seen at ``draft_per_node_s``
-        each, weighed)."""
+        costs were measured; each row's catch-up read, the tokens its draft has not seen at
+        ``CostModel.draft_read_token_s`` each, weighed)."""
         if self.gate is None or not plan.decodes:
             return plan
         alphas = self.gate.row_alphas([self._budget(w.request_id).measured_alpha for w in plan.decodes])
@@ -218,7 +218,7 @@ class SimExecutor:
             choice = self.gate.warmup(rows, self.depth_nodes, lags)
         else:
             fixed, per_token = self._verify_line
-            token_s = self.cost.draft_per_node_s if self._drafted_once else per_token
+            token_s = self.cost.draft_read_token_s if self._drafted_once else per_token
             catch_up = [(lag * token_s, max(0, self._specs[w.request_id].max_new_tokens - self._committed[w.request_id]))
                         for w, lag in zip(plan.decodes, lags)]
             extra = sum(p.num_tokens for p in plan.prefills)
@@ -287,7 +287,7 @@ class SimExecutor:
             if depth > 0:  # the draft first reads what it has not seen (one batched forward with the level's)
                 lag = self._lag(work)
                 self.catch_up_tokens += lag
-                catch_up_s += lag * self.cost.models.get(work.model, self.cost).draft_per_node_s
+                catch_up_s += lag * self.cost.models.get(work.model, self.cost).draft_read_token_s
                 self._drafted_once = True
             a = self.acceptance.get(rid, 0.0)
             expected = sum(a ** k for k in range(1, depth + 1))

@@ -144,7 +144,8 @@ def test_simulator_gate_keeps_speculation_on_where_it_pays_at_batch_1():
 
 
 # live-like costs of the real Qwen2.5-Coder pair at int4 on a 2-core CPU (docs/benchmarks.md, 2026-12-06): a target
-# step 43 ms + 8.3 ms per verified token, a draft level 15 ms, a draft token read 3 ms; 64-token prompts
+# step 43 ms + 8.3 ms per verified token, a draft level 15 ms (so a draft token read 2.9 ms: 8.3 x 15 / 43); 64-token
+# prompts
 REAL_PAIR_COST = CPU_2CORE.with_(step_fixed_s=0.043, per_row_s=0.0, per_token_s=0.0083, per_kv_token_s=0.0,
                                  draft_level_s=0.015, draft_per_node_s=0.003)
 
