@@ -106,7 +106,7 @@ def test_index_keeps_one_occurrence_per_continuation_and_reads_only_new_tokens()
     state: dict = {}
     assert d.continuations(context, 2, state) == [[1, 2]]  # after the last "2 3": "1 2"
     assert state["len"] == 120
-    assert state["index"][2][(1, 2)] == {(3, 1): 114}  # 40 occurrences, one kept: the latest complete one
+    assert state["index"][2][(1, 2)] == ((3, 1), 114)  # 40 occurrences, one kept: the latest complete one
     context += [9, 1, 2]  # only these are read: the latest "1 2" (at 117) is now followed by "3 9"
     assert d.continuations(context, 2, state) == [[3, 9], [3, 1]]
     assert state["len"] == 123 and state["index"][2][(1, 2)] == {(3, 1): 114, (3, 9): 117}

@@ -59,7 +59,7 @@ class NgramDrafter(Drafter):
     ``len`` (how many of its tokens are indexed), ``tail`` (its last tokens then, to detect a replaced or
     rewritten context, which is indexed again from scratch), ``index`` (per ``n``: n-gram tuple -> {the
     ``max_depth`` tokens after an occurrence: the position of the latest occurrence followed by them}, in
-    increasing position order). Only occurrences whose ``max_depth`` followers are all in the context are in
+    increasing position order; a ``(continuation, position)`` pair while there is only one). Only occurrences whose ``max_depth`` followers are all in the context are in
     the index; the newer ones (fewer than ``max_depth`` positions) are compared directly each step. Keeping
     only the latest occurrence per continuation loses nothing: an older one would give a draft already taken.
     """
@@ -94,9 +94,15 @@ class NgramDrafter(Drafter):
                 p = c - n
                 if p < 0:
                     continue
-                reps = table.setdefault(tuple(context[p:c]), {})
-                reps.pop(full, None)  # re-inserted last: the dict stays in increasing position order
-                reps[full] = p
+                key = tuple(context[p:c])
+                reps = table.get(key)
+                if reps is None or (type(reps) is tuple and reps[0] == full):
+                    table[key] = (full, p)  # one continuation so far: a pair, not a dict (most n-grams)
+                elif type(reps) is tuple:
+                    table[key] = {reps[0]: reps[1], full: p}
+                else:
+                    reps.pop(full, None)  # re-inserted last: the dict stays in increasing position order
+                    reps[full] = p
         state["ctx"], state["len"] = context, n_ctx
         state["tail"] = tuple(context[max(0, n_ctx - _TAIL):n_ctx])
         return index
@@ -126,9 +132,9 @@ class NgramDrafter(Drafter):
                         return out
             # the indexed ones, latest first, one per distinct max_depth continuation
             reps = index[n].get(tuple(suffix))
-            if not reps:
+            if reps is None:
                 continue
-            for full in reversed(reps):
+            for full in ((reps[0],) if type(reps) is tuple else reversed(reps)):
                 key = full[:depth]
                 if key not in seen:
                     seen.add(key)
