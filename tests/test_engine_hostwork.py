@@ -5,6 +5,11 @@ measured at context 64 and at context 2048 by what the host allocates (``tracema
 allocations during the step) and by the size of the histories the processors receive. Before the fix each tree
 node's history was a fresh ``context + path`` list (16 KiB of pointers per node at 2048) and
 ``Request.context`` was rebuilt on every read (scheduler, drafter inputs, commit limit).
+
+An engine with the n-gram drafter on is measured the same way and also by the Python lines the step executes
+(``sys.settrace`` line events, a deterministic count of host work): its output is forced into a loop of four
+tokens the prompt never holds, so both contexts draft the same trees. Before the n-gram index the drafter
+scanned the whole context every step: 2,858 lines a step at 64, 20,714 at 2048 (2,149 at both now).
 """
 
 from __future__ import annotations
@@ -48,14 +53,61 @@ def long_pair(tmp_path_factory):
     return SpeculativeEngine.from_checkpoints(target, [draft], ngram=False, config=cfg)
 
 
-def _decode_step_host_work(eng, n_ctx: int) -> tuple[int, tuple[int, int, int], list[int]]:
-    """(peak host bytes of a decode step (least of 3), the probe's record of it, the output so far)."""
+@pytest.fixture(scope="module")
+def ngram_engine(tmp_path_factory):
+    """The same target with the n-gram drafter only (its tree: one chain, up to depth 4)."""
+    root = tmp_path_factory.mktemp("ngram")
+    spec = TinyDecoderSpec(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096)
+    target = save_checkpoint(root / "target", spec.config_dict(), random_decoder_state(spec, seed=4))
+    cfg = EngineConfig(num_slots=1, max_len=LONG + 64, tree=TreeSpec.parse("1,1,3,1"), adaptive=False,
+                       cost_aware=False)
+    return SpeculativeEngine.from_checkpoints(target, [], ngram=True, config=cfg)
+
+
+class Loop(Probe):
+    """A :class:`Probe` that also forces the next token to ``250 + len(history) % 4`` (prompts hold < 250)."""
+
+    def __call__(self, sequences, scores):
+        super().__call__(sequences, scores)
+        scores.fill_(float("-inf"))
+        for i, s in enumerate(sequences):
+            scores[i, 250 + len(s) % 4] = 0.0
+        return scores
+
+
+def _lines(step) -> int:
+    """Python line events while ``step()`` runs (every frame, every module)."""
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    def glob(frame, event, arg):
+        return local
+
+    sys.settrace(glob)
+    try:
+        step()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def _decode_step_host_work(eng, n_ctx: int, probe: Probe | None = None,
+                           lines: list[int] | None = None, warmup: int = 1) -> tuple[int, tuple[int, int, int], list[int]]:
+    """(peak host bytes of a decode step (least of 3, after ``warmup`` decode steps), the probe's record of it,
+    the output so far); with ``lines``, two more steps' Python line counts are appended to it."""
     prompt = torch.randint(0, 250, (n_ctx,), generator=torch.Generator().manual_seed(n_ctx)).tolist()
-    probe = Probe()
-    req = eng.add_request(eng.make_request(prompt, 40, logits_processors=(probe,)))
+    probe = probe or Probe()
+    req = eng.add_request(eng.make_request(prompt, 64, logits_processors=(probe,)))
     while not req.output_ids:  # the prefill (chunked or not)
         eng.step()
-    eng.step()  # one decode step as warm-up (first-use caches, the draft's catch-up)
+    for _ in range(warmup):  # decode steps as warm-up (first-use caches, the draft's catch-up)
+        eng.step()
     peaks = []
     tracemalloc.start()
     try:
@@ -68,6 +120,8 @@ def _decode_step_host_work(eng, n_ctx: int) -> tuple[int, tuple[int, int, int], 
         tracemalloc.stop()
     peak = min(peaks)
     record = probe.calls[-1]
+    if lines is not None:
+        lines.extend(_lines(eng.step) for _ in range(2))
     out = list(req.output_ids)
     eng.loop.cancel(req.request_id)
     while eng.has_work():
@@ -87,6 +141,20 @@ def test_host_work_per_decode_step_is_the_same_at_context_64_and_2048(long_pair)
     # Python allocations of the whole step: independent of the context (32x longer here); before the fix the
     # long step allocated > 130 KiB more (a 16 KiB list per node and per context read)
     assert peak_long - peak_short < 4096, (peak_short, peak_long)
+
+
+def test_host_work_per_decode_step_with_the_ngram_drafter_is_the_same_at_context_64_and_2048(ngram_engine):
+    eng = ngram_engine
+    lines_short, lines_long = [], []
+    # warm-up: 4 steps of one token each before the loop has occurred once, then 5 tokens a step
+    peak_short, rec_short, out_short = _decode_step_host_work(eng, SHORT, Loop(), lines_short, warmup=6)
+    peak_long, rec_long, out_long = _decode_step_host_work(eng, LONG, Loop(), lines_long, warmup=6)
+    # the forced loop, the same in both: the drafter found it (a 4-deep chain, all accepted: 5 tokens a step)
+    assert out_short == out_long and out_short[:8] == [250, 251, 252, 253] * 2, (out_short, out_long)
+    assert len(out_short) == 40 and rec_short[0] == rec_long[0] == 5, (rec_short, rec_long)
+    assert peak_long - peak_short < 4096, (peak_short, peak_long)
+    # the same Python work per step, line for line (the old whole-context scan: ~17,900 more at 2048)
+    assert lines_short == lines_long, (lines_short, lines_long)
 
 
 def test_history_view_reads_like_the_list_it_replaces():

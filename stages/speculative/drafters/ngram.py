@@ -3,12 +3,48 @@
 No model: the last ``n`` tokens of the context (``n`` from ``max_ngram`` down to ``min_ngram``) are looked up in
 the earlier context; the tokens that followed each match, most recent match first, become branches of the
 tree. Proposals are deterministic (point masses for the stochastic verifier).
+
+The lookup is incremental, after the idea of llama.cpp's n-gram cache (``common/ngram-cache``: an n-gram ->
+following tokens table updated with the tokens each step adds): each request's drafter state keeps, per
+n-gram, its earlier occurrences, indexed once per token as the context grows, so a step's host work depends on
+the tokens committed since the last step and on the matches, not on the context length. The drafts are the
+same as a backwards scan of the whole context (:func:`scan_continuations`, the reference the tests compare
+with).
 """
 
 from __future__ import annotations
 
 from specstream.stages.speculative.drafters.base import DraftInput, Drafter
 from specstream.stages.speculative.tree import Proposal, ProposalKind, TokenTree
+
+#: tokens before the indexed length compared each step to detect a context that was replaced (a restart)
+_TAIL = 8
+
+
+def scan_continuations(context: list[int], depth: int, max_ngram: int, min_ngram: int,
+                       max_branches: int) -> list[list[int]]:
+    """The drafter's matching rule as a plain O(context) scan (kept as the definition; not used per step).
+
+    For ``n`` from ``min(max_ngram, len(context) - 1)`` down to ``min_ngram``, every earlier occurrence of the
+    last ``n`` tokens, most recent first, gives the (up to ``depth``) tokens after it; the first
+    ``max_branches`` distinct ones are returned.
+    """
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    n_ctx = len(context)
+    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
+        suffix = context[n_ctx - n:]
+        for start in range(n_ctx - n - 1, -1, -1):
+            if context[start:start + n] != suffix:
+                continue
+            cont = context[start + n:start + n + depth]
+            key = tuple(cont)
+            if cont and key not in seen:
+                seen.add(key)
+                out.append(cont)
+                if len(out) >= max_branches:
+                    return out
+    return out
 
 
 class NgramDrafter(Drafter):
@@ -18,6 +54,14 @@ class NgramDrafter(Drafter):
         max_ngram, min_ngram: lengths of the suffix looked up, longest first.
         max_branches: most distinct continuations (tree branches) per step.
         max_depth: longest continuation.
+
+    Per-request state (``DraftInput.state``, dropped with the request): ``ctx`` (the context list indexed),
+    ``len`` (how many of its tokens are indexed), ``tail`` (its last tokens then, to detect a replaced or
+    rewritten context, which is indexed again from scratch), ``index`` (per ``n``: n-gram tuple -> {the
+    ``max_depth`` tokens after an occurrence: the position of the latest occurrence followed by them}, in
+    increasing position order; a ``(continuation, position)`` pair while there is only one). Only occurrences whose ``max_depth`` followers are all in the context are in
+    the index; the newer ones (fewer than ``max_depth`` positions) are compared directly each step. Keeping
+    only the latest occurrence per continuation loses nothing: an older one would give a draft already taken.
     """
 
     name = "ngram"
@@ -25,27 +69,76 @@ class NgramDrafter(Drafter):
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_branches: int = 3, max_depth: int = 8):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
+        if max_depth < 1:
+            raise ValueError("need max_depth >= 1")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.max_branches, self.max_depth = max_branches, max_depth
         self._proposal = Proposal(ProposalKind.DETERMINISTIC, drafter=self.name)
 
-    def continuations(self, context: list[int], depth: int) -> list[list[int]]:
-        """Distinct continuations (longest-ngram matches first, most recent first), each up to ``depth`` long."""
+    # -- the index ---------------------------------------------------------------------------------------------
+    def _index(self, state: dict, context: list[int]) -> dict[int, dict]:
+        """Bring ``state``'s index up to ``context`` (O(new tokens); O(context) when it was replaced)."""
+        done = state.get("len", 0)
+        n_ctx = len(context)
+        if (state.get("ctx") is not context or n_ctx < done
+                or state["tail"] != tuple(context[max(0, done - _TAIL):done])):
+            state.clear()  # a new list (a restart), or one cut or rewritten: index it again
+            done = 0
+            state["index"] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+        index = state["index"]
+        big_d = self.max_depth
+        # continuation starts c whose max_depth followers became complete: c + D <= n_ctx, not before
+        for c in range(max(0, done - big_d + 1), n_ctx - big_d + 1):
+            full = tuple(context[c:c + big_d])
+            for n, table in index.items():
+                p = c - n
+                if p < 0:
+                    continue
+                key = tuple(context[p:c])
+                reps = table.get(key)
+                if reps is None or (type(reps) is tuple and reps[0] == full):
+                    table[key] = (full, p)  # one continuation so far: a pair, not a dict (most n-grams)
+                elif type(reps) is tuple:
+                    table[key] = {reps[0]: reps[1], full: p}
+                else:
+                    reps.pop(full, None)  # re-inserted last: the dict stays in increasing position order
+                    reps[full] = p
+        state["ctx"], state["len"] = context, n_ctx
+        state["tail"] = tuple(context[max(0, n_ctx - _TAIL):n_ctx])
+        return index
+
+    def continuations(self, context: list[int], depth: int, state: dict | None = None) -> list[list[int]]:
+        """Distinct continuations (longest-ngram matches first, most recent first), each up to ``depth`` long
+        (``depth <= max_depth``); the same as :func:`scan_continuations`. ``state``: the request's drafter
+        state (None: a throwaway one, O(context))."""
+        if depth > self.max_depth:
+            raise ValueError(f"depth {depth} > max_depth {self.max_depth}")
+        index = self._index({} if state is None else state, context)
         out: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
-        n_ctx = len(context)
+        n_ctx, big_d = len(context), self.max_depth
         for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
             suffix = context[n_ctx - n:]
-            first = suffix[0]
-            # scan backwards; a match ending at position e-1 (exclusive of the suffix itself)
-            for start in range(n_ctx - n - 1, -1, -1):
-                if context[start] != first or context[start:start + n] != suffix:
+            # the newest occurrences (their followers run into the context's end): compared directly
+            for start in range(n_ctx - n - 1, max(n_ctx - n - big_d, -1), -1):
+                if context[start:start + n] != suffix:
                     continue
                 cont = context[start + n:start + n + depth]
                 key = tuple(cont)
-                if cont and key not in seen:
+                if key not in seen:  # never empty: start + n < n_ctx
                     seen.add(key)
                     out.append(cont)
+                    if len(out) >= self.max_branches:
+                        return out
+            # the indexed ones, latest first, one per distinct max_depth continuation
+            reps = index[n].get(tuple(suffix))
+            if reps is None:
+                continue
+            for full in ((reps[0],) if type(reps) is tuple else reversed(reps)):
+                key = full[:depth]
+                if key not in seen:
+                    seen.add(key)
+                    out.append(list(key))
                     if len(out) >= self.max_branches:
                         return out
         return out
@@ -56,7 +149,7 @@ class NgramDrafter(Drafter):
             tree = TokenTree(inp.context[-1])
             depth = min(inp.max_depth, self.max_depth)
             if depth > 0 and inp.node_budget > 1:
-                for cont in self.continuations(inp.context, depth):
+                for cont in self.continuations(inp.context, depth, inp.state):
                     tree.add_path(cont, self._proposal, max_nodes=inp.node_budget)
             trees.append(tree)
         return trees
