@@ -416,21 +416,16 @@ class SpeculativeExecutor:
         if self.gate is None or not (self.adaptive and self.cost_aware and self.drafters and decodes):
             return decodes
         states = [self.states[w.request_id] for w in decodes]
-        lags = [sum(d.lag(w.slot, len(st.draft_context)) for d in self.drafters) for w, st in zip(decodes, states)]
+        lags = [[d.lag(w.slot, len(st.draft_context)) for d in self.drafters] for w, st in zip(decodes, states)]
         alphas = self.gate.row_alphas([st.budget.measured_alpha for st in states])
         rows = [(w.node_budget, w.max_depth, a) for w, a in zip(decodes, alphas)]
         if line is None or self._level_s is None:
-            choice = self.gate.warmup(rows, self.depth_nodes, lags)
+            choice = self.gate.warmup(rows, self.depth_nodes, [sum(row) for row in lags])
         else:
-            catch_up = []
-            for w, st in zip(decodes, states):
-                seconds = 0.0
-                for d in self.drafters:
-                    lag = d.lag(w.slot, len(st.draft_context))
-                    if lag:  # until a long read was timed: the target's seconds per token, an upper bound
-                        token_s = d.catch_up_token_s()
-                        seconds += lag * (token_s if token_s is not None else line[1])
-                catch_up.append((seconds, max(0, st.spec.max_new_tokens - len(st.output))))
+            # seconds per token read, per drafter; until a long read was timed, the target's (an upper bound)
+            token_s = [t if (t := d.catch_up_token_s()) is not None else line[1] for d in self.drafters]
+            catch_up = [(sum(n * t for n, t in zip(row, token_s)), max(0, st.spec.max_new_tokens - len(st.output)))
+                        for row, st in zip(lags, states)]
             extra = sum(p.num_tokens for p in plan.prefills)
             choice = self.gate.decide(rows, line[0], line[1], self._level_s, self.depth_nodes, extra, catch_up)
         return self.gate.cut(decodes, choice, self.depth_nodes)
