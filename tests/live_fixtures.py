@@ -211,3 +211,17 @@ def metric(text: str, name: str, label: str = "") -> float:
         if line.startswith(name) and label in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+@pytest.fixture(scope="module")
+def sm(speech_cache):
+    """Whisper tiny.en, loaded once per module (needs ``speech_cache`` imported beside it)."""
+    from specstream.stages.speech import SpeechModel
+
+    return SpeechModel.load()
+
+
+@pytest.fixture(scope="module")
+def rec3(tmp_path_factory):
+    """The first three sentences of :data:`SCRIPT`, spoken: ``(wav path, samples, sentence starts)``."""
+    return recording(tmp_path_factory.mktemp("rec3"), SCRIPT[:3])

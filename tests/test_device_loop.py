@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from live_fixtures import SCRIPT, ServerThread, free_port, recording, wer
+from live_fixtures import rec3, sm  # noqa: F401  (fixtures)
 from whisper_fixtures import one_torch_thread, speech_cache  # noqa: F401  (fixtures)
 
 CAPTION_TOKENS = 20
@@ -142,18 +143,6 @@ def test_whisper_window_and_vlm_rows_share_device_steps_with_outputs_of_separate
 
 
 # -- serve: one loop, one thread --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def sm(speech_cache):
-    from specstream.stages.speech import SpeechModel
-
-    return SpeechModel.load()
-
-
-@pytest.fixture(scope="module")
-def rec3(tmp_path_factory):
-    return recording(tmp_path_factory.mktemp("rec3"), SCRIPT[:3])
-
-
 async def _stream(url: str, audio: np.ndarray, chunk_s: float = 0.5) -> list[dict]:
     from websockets.asyncio.client import connect
 

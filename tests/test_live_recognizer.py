@@ -19,20 +19,10 @@ import numpy as np
 import pytest
 
 from live_fixtures import SCRIPT, ServerThread, free_port, recording, wer
+from live_fixtures import rec3, sm  # noqa: F401  (fixtures)
 from live_fixtures import metric as _metric
 from whisper_fixtures import one_torch_thread, speech_cache  # noqa: F401  (fixtures)
 
-
-@pytest.fixture(scope="module")
-def sm(speech_cache):
-    from specstream.stages.speech import SpeechModel
-
-    return SpeechModel.load()
-
-
-@pytest.fixture(scope="module")
-def rec3(tmp_path_factory):
-    return recording(tmp_path_factory.mktemp("rec3"), SCRIPT[:3])
 
 def _replay(sm, audio, **cfg):
     from specstream.stages.streaming import SpeechService, StreamConfig, replay

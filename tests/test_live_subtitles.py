@@ -17,6 +17,7 @@ import pytest
 
 from binaries import CHROMIUM_ARGS, require
 from live_fixtures import SCRIPT, ServerThread, free_port, recording, wer
+from live_fixtures import rec3, sm  # noqa: F401  (fixtures)
 from live_fixtures import metric as _metric
 from whisper_fixtures import one_torch_thread, speech_cache  # noqa: F401  (fixtures)
 
@@ -27,20 +28,8 @@ FW_OPTIONS = dict(beam_size=1, temperature=0.0, condition_on_previous_text=False
 
 
 @pytest.fixture(scope="module")
-def sm(speech_cache):
-    from specstream.stages.speech import SpeechModel
-
-    return SpeechModel.load()
-
-
-@pytest.fixture(scope="module")
 def rec10(tmp_path_factory):
     return recording(tmp_path_factory.mktemp("rec10"))
-
-
-@pytest.fixture(scope="module")
-def rec3(tmp_path_factory):
-    return recording(tmp_path_factory.mktemp("rec3"), SCRIPT[:3])
 
 
 # -- the WebSocket endpoint ---------------------------------------------------------------------------------------
