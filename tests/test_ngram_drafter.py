@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given, settings, strategies as st
 
 from specstream.stages.speculative.drafters.base import DraftInput
-from specstream.stages.speculative.drafters.ngram import NgramDrafter, scan_continuations
+from specstream.stages.speculative.drafters.ngram import NgramDrafter
 from specstream.stages.speculative.tree import Proposal, ProposalKind, TokenTree
 from specstream.types import SamplingParams
 
@@ -93,7 +93,6 @@ def test_incremental_index_drafts_what_the_whole_context_scan_drafted(d, run):
         if depth > 0:
             want = old_continuations(d, context, depth)
             assert d.continuations(context, depth, state) == want, (context, depth)
-            assert scan_continuations(context, depth, d.max_ngram, d.min_ngram, d.max_branches) == want
         inp = DraftInput("r", 0, context, budget, max_depth, SamplingParams(), state=state)
         tree = d.propose([inp])[0]
         assert _shape(tree) == _shape(old_tree(d, context, max_depth, budget))

@@ -8,8 +8,8 @@ The lookup is incremental, after the idea of llama.cpp's n-gram cache (``common/
 following tokens table updated with the tokens each step adds): each request's drafter state keeps, per
 n-gram, its earlier occurrences, indexed once per token as the context grows, so a step's host work depends on
 the tokens committed since the last step and on the matches, not on the context length. The drafts are the
-same as a backwards scan of the whole context (:func:`scan_continuations`, the reference the tests compare
-with).
+same as a backwards scan of the whole context each step (what the drafter did before the index;
+``tests/test_ngram_drafter.py`` keeps that scan as its reference).
 """
 
 from __future__ import annotations
@@ -19,32 +19,6 @@ from specstream.stages.speculative.tree import Proposal, ProposalKind, TokenTree
 
 #: tokens before the indexed length compared each step to detect a context that was replaced (a restart)
 _TAIL = 8
-
-
-def scan_continuations(context: list[int], depth: int, max_ngram: int, min_ngram: int,
-                       max_branches: int) -> list[list[int]]:
-    """The drafter's matching rule as a plain O(context) scan (kept as the definition; not used per step).
-
-    For ``n`` from ``min(max_ngram, len(context) - 1)`` down to ``min_ngram``, every earlier occurrence of the
-    last ``n`` tokens, most recent first, gives the (up to ``depth``) tokens after it; the first
-    ``max_branches`` distinct ones are returned.
-    """
-    out: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
-    n_ctx = len(context)
-    for n in range(min(max_ngram, n_ctx - 1), min_ngram - 1, -1):
-        suffix = context[n_ctx - n:]
-        for start in range(n_ctx - n - 1, -1, -1):
-            if context[start:start + n] != suffix:
-                continue
-            cont = context[start + n:start + n + depth]
-            key = tuple(cont)
-            if cont and key not in seen:
-                seen.add(key)
-                out.append(cont)
-                if len(out) >= max_branches:
-                    return out
-    return out
 
 
 class NgramDrafter(Drafter):
@@ -109,7 +83,7 @@ class NgramDrafter(Drafter):
 
     def continuations(self, context: list[int], depth: int, state: dict | None = None) -> list[list[int]]:
         """Distinct continuations (longest-ngram matches first, most recent first), each up to ``depth`` long
-        (``depth <= max_depth``); the same as :func:`scan_continuations`. ``state``: the request's drafter
+        (``depth <= max_depth``), as a backwards scan of the whole context would find them. ``state``: the request's drafter
         state (None: a throwaway one, O(context))."""
         if depth > self.max_depth:
             raise ValueError(f"depth {depth} > max_depth {self.max_depth}")
