@@ -202,7 +202,7 @@ def check_kernel(layer: nn.Module, reference: torch.Tensor | Callable[[int, int]
     rows = reference if callable(reference) else (lambda a, b: reference[a:b])
     n, k = layer.out_features, layer.in_features
     gen = torch.Generator().manual_seed(0)
-    device = layer_device(layer)
+    device = next(layer.buffers(), torch.empty(0)).device  # the packed layers hold their weights as buffers
     probe = torch.randn(3, k, generator=gen).to(device=device, dtype=torch.bfloat16)
     want = torch.cat([F.linear(probe.float(), rows(a, min(a + CHECK_ROWS, n)),
                                None if bias is None else bias[a:a + CHECK_ROWS].float())
@@ -212,14 +212,6 @@ def check_kernel(layer: nn.Module, reference: torch.Tensor | Callable[[int, int]
     if not err <= KERNEL_TOLERANCE * want.abs().max().clamp_min(1e-6).item():
         raise QuantKernelError(f"{type(layer).__name__} {(n, k)}: packed kernel differs from the "
                                f"float reference by {err:.3g} (tolerance {KERNEL_TOLERANCE} of max |y|)")
-
-
-def layer_device(layer: nn.Module) -> torch.device:
-    """The device of a module's first buffer or parameter (CPU when it has none)."""
-    for t in list(layer.buffers()) + list(layer.parameters()):
-        if t is not None:
-            return t.device
-    return torch.device("cpu")
 
 
 class Int8Linear(nn.Module):

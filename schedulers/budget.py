@@ -73,16 +73,9 @@ class AdaptiveBudget:
         return self.hits / total if total > 0 else 0.0
 
     @property
-    def observed_alpha(self) -> float:
-        """:attr:`alpha` from the observed steps alone (the optimistic prior left out): what the step gate weighs,
-        so one useless first tree is enough to stop drafting for a batch; :attr:`alpha` before any step."""
-        hits = self.hits - self.prior
-        total = hits + self.misses
-        return hits / total if total > 1e-9 else self.alpha
-
-    @property
     def measured_alpha(self) -> float | None:
-        """:attr:`observed_alpha` once a step with drafts was observed; None before."""
+        """:attr:`alpha` from the observed steps alone (the optimistic prior left out), once a step with drafts
+        was observed; None before: what the step gate weighs (a request with none weighs the workload's)."""
         hits = self.hits - self.prior
         total = hits + self.misses
         return hits / total if total > 1e-9 else None
