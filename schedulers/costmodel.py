@@ -413,10 +413,12 @@ class SpecGate:
                 memo[key] = self._shape(b, m, cap, depth_nodes)
             return memo[key]
 
-        def charge(i: int, d: int) -> float:
-            """Row ``i``'s catch-up seconds per step, spread over the steps it has left at depth ``d``."""
+        def charge(i: int, d: int, gain: list[float] | None = None) -> float:
+            """Row ``i``'s catch-up seconds per step, spread over the steps it has left at depth ``d`` (committing
+            ``1 + gain[d]`` tokens a step; ``gain``: the row's own expected acceptance unless given)."""
             seconds, remaining = catch_up[i]
-            return seconds / max(1.0, remaining / (1.0 + gains[i][d])) if seconds > 0 else 0.0
+            g = (gains[i] if gain is None else gain)[d]
+            return seconds / max(1.0, remaining / (1.0 + g)) if seconds > 0 else 0.0
 
         for cap in range(1, max_cap + 1):
             shapes = [shape(b, m, cap) if a else (1, 0) for (b, m, _), a in zip(rows, asked)]
@@ -446,7 +448,7 @@ class SpecGate:
             hopeful = False
             for c in range(1, max_cap + 1):
                 cut = [shape(b, m, c) if k else (1, 0) for (b, m, _), k in zip(rows, probe)]
-                opt = [c_ / max(1.0, r / (1.0 + d)) if c_ > 0 else 0.0 for (c_, r), (_, d) in zip(catch_up, cut)]
+                opt = [charge(i, d, ones) for i, (_, d) in enumerate(cut)]
                 if self._rate([ones] * n, probe, cut, n, *costs, opt) >= self.min_gain * plain:
                     hopeful = True
                     break
