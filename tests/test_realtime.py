@@ -215,6 +215,88 @@ def test_server_vad_turns_cover_every_sample(server, oracle, two):
     assert got[0] and got[1] and got[2] == ""  # the tail after the second turn is silence
 
 
+def test_appends_far_faster_than_real_time_are_backpressured_and_none_is_lost(server, oracle, two, monkeypatch):
+    """A client appends a recording (two items, committed by hand) as fast as the socket takes it, in 0.1-s
+    appends: the server leaves the socket unread while the items' backlog is at ``max_backlog_s`` (1.5 s here,
+    patched into the session's config, which has no server setting; 30 s by default), so the backlog a spy on the
+    session reads after every append is under the bound plus that append, and the backpressure metric grows.
+    Nothing accepted is lost: each item's usage is exactly the audio appended to it, and its transcript is the
+    recognizer's transcript of that stretch."""
+    import httpx
+    from websockets.asyncio.client import connect
+
+    from live_fixtures import metric
+    from specstream.pipeline.realtime import RealtimeTranscriptionSession
+
+    bound_s, append_s = 1.5, 0.1
+    open_stream, insert = RealtimeTranscriptionSession._open_stream, RealtimeTranscriptionSession._insert
+    backlogs: list[float] = []  # the session's backlog (all items) after each insert
+    inserted = [0]
+
+    def small_bound(self):
+        from dataclasses import replace
+
+        self.config = replace(self.config, max_backlog_s=bound_s)
+        return open_stream(self)
+
+    def spy(self, x):
+        insert(self, x)
+        inserted[0] += len(x)
+        backlogs.append(self._backlog_s())
+
+    monkeypatch.setattr(RealtimeTranscriptionSession, "_open_stream", small_bound)
+    monkeypatch.setattr(RealtimeTranscriptionSession, "_insert", spy)
+    x16 = two.audio
+    data = pcm16(x16)
+    split = 2 * int((two.spans[0][1] + 0.6) * 16000)  # bytes of the first item: in the pause between sentences
+    n = int(append_s * 16000) * 2
+    items = [chunks(data[:split], n), chunks(data[split:], n)]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    name = "specstream_subtitle_backpressure_seconds_total"
+    waited0 = metric(httpx.get(server.base + "/metrics", headers=headers).text, name)
+
+    async def main():
+        events = []
+        async with connect(f"ws://127.0.0.1:{server.settings.port}/v1/realtime?intent=transcription",
+                           additional_headers=headers, max_size=None) as ws:
+            async def reader():
+                async for m in ws:
+                    events.append(json.loads(m))
+                    if sum(e["type"].endswith(".completed") for e in events) == 2:
+                        return
+
+            rt = asyncio.create_task(reader())
+            await ws.send(json.dumps({"type": "transcription_session.update", "session": {
+                "input_audio_format": "pcm16", "input_audio_sample_rate": 16000, "turn_detection": None}}))
+            for appends in items:
+                for c in appends:
+                    await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": c}))
+                await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            await asyncio.wait_for(rt, 120)
+        return events
+
+    events = asyncio.run(main())
+    waited = metric(httpx.get(server.base + "/metrics", headers=headers).text, name) - waited0
+    print(f"\nbackpressure: {len(two.audio) / 16000:.1f} s appended; backlog at most {max(backlogs):.2f} s (bound "
+          f"{bound_s} s), the socket left unread for {waited:.1f} s")
+    for e in events:
+        validate(e)
+    assert not [e for e in events if e["type"] == "error"], events
+    # the bound held (and was reached: the socket was left unread, the client's appends waited in it)
+    assert bound_s <= max(backlogs) < bound_s + append_s + 1e-6, max(backlogs)
+    assert waited > 0
+    # nothing accepted was lost: every appended sample is in its item, transcribed
+    assert inserted[0] == len(data) // 2, (inserted[0], len(data) // 2)
+    committed = [e["item_id"] for e in events if e["type"] == "input_audio_buffer.committed"]
+    completed = [e for e in events if e["type"].endswith(".completed")]
+    assert [c["item_id"] for c in completed] == committed and len(committed) == 2
+    assert [c["usage"]["seconds"] for c in completed] == [round(split / 2 / 16000, 3),
+                                                          round((len(data) - split) / 2 / 16000, 3)]
+    got = [c["transcript"] for c in completed]
+    want = [oracle(server_samples(data[:split], 16000)), oracle(server_samples(data[split:], 16000))]
+    assert got == want and all(want)
+
+
 # -- bad input ---------------------------------------------------------------------------------------------------
 def test_bad_events_get_openai_errors_and_lose_no_accepted_audio_clear_drops_the_rest(server, oracle, two):
     from websockets.sync.client import connect
