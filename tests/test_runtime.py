@@ -141,3 +141,50 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 def test_directory_without_config_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="config.json"):
         resolve_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_packed_forward_runs_the_linears_on_real_tokens_only_with_the_same_logits(tiny, dtype):
+    """A ragged batch (rows of 1, 5 and 2 tokens padded to 5): with ``row_lengths`` the projections, MLPs and
+    output head see the 8 real tokens, not 15, and every real row's logits equal the padded forward's (to float32
+    rounding at float32; bitwise at int4, whose kernel is row-invariant)."""
+    from specstream.kernels.quant import kernel_available, parse_weight_format
+
+    if dtype == "int4" and not kernel_available(parse_weight_format("int4"), "cpu"):
+        pytest.skip("no int4 kernel on this CPU (needs AVX-512 VNNI or AVX2)")
+    model = load_decoder(tiny.target, dtype)
+    lengths, t = [1, 5, 2], 5
+    prompt = [11, 12, 13, 14]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 250, (3, t), generator=g)
+    prefix = len(prompt)
+    pos = prefix + torch.arange(t)[None].expand(3, t)
+    valid = torch.arange(t)[None] < torch.tensor(lengths)[:, None]
+
+    def run(row_lengths):
+        cache = model.new_cache(3, 32)
+        for slot in range(3):
+            _prefill(model, cache, slot, prompt)
+        cols = torch.where(valid, pos, torch.full_like(pos, cache.scratch))
+        anc = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = build_tree_mask(torch.full((3,), prefix), [anc] * 3, prefix + t, t)
+        rows = []
+        hook = model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: rows.append(a[0].shape))
+        head = model.lm_head.register_forward_hook(lambda m, a, out: rows.append(a[0].shape))
+        try:
+            batch = ForwardBatch(torch.arange(3), ids, pos, cols, mask, row_lengths=row_lengths)
+            logits = model.forward_batch(cache, batch)[0]
+        finally:
+            hook.remove()
+            head.remove()
+        return logits, rows
+
+    padded, rows_padded = run(None)
+    packed, rows_packed = run(lengths)
+    assert rows_packed == [torch.Size([8, model.config.hidden_size])] * 2  # the layer-0 MLP, then the head
+    assert rows_padded[0][:2] == torch.Size([3, 5])  # padded: 15 token rows
+    for b, n in enumerate(lengths):
+        if dtype == "int4":
+            assert torch.equal(packed[b, :n], padded[b, :n])
+        else:
+            torch.testing.assert_close(packed[b, :n], padded[b, :n], rtol=1e-5, atol=1e-5)

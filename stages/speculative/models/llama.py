@@ -75,6 +75,13 @@ class ForwardBatch:
     #: ``[B, S]`` position held by each cache column read, set by the decoder when ``row_invariant`` applies on
     #: a CPU with the C++ row-invariant attention (:mod:`specstream.kernels.row_attention`; then no plan)
     row_key_pos: torch.Tensor | None = None
+    #: host list of each row's real tokens (the first ``n`` of its ``T``; the rest is padding), or None. Where
+    #: padding is there, the decoder runs its projections, MLPs and output head on the real tokens only
+    #: (packed ``[N, hidden]``) and pads them for the attention alone: a batch of token trees of different
+    #: sizes then costs its nodes, not ``B x T`` (the packed, "ragged" batches of vLLM and SGLang).
+    row_lengths: list[int] | None = None
+    pack: torch.Tensor | None = None  # set by the decoder: ``[N]`` flat indices ``b * T + t`` of the real tokens
+    logit_index_host: list[list[int]] | None = None  # ``logit_index`` as a host list (packing reads it, no sync)
 
     def resolve_reads(self) -> None:
         """Decide once per forward, on the host, how layers read the cache: a slice when the slots are a
@@ -126,6 +133,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _unpack(y: torch.Tensor, batch: ForwardBatch | None, bsz: int, t: int) -> torch.Tensor:
+    """A projection of the packed real tokens ``[N, F]`` padded back to ``[B, T, F]`` (zeros at padding; their
+    keys/values go to the scratch column, their outputs are dropped); ``y`` as it is without packing."""
+    if batch is None or batch.pack is None:
+        return y
+    full = y.new_zeros((bsz * t, y.shape[-1]))
+    full.index_copy_(0, batch.pack, y)
+    return full.view(bsz, t, -1)
+
+
+def _pack(y: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """``[B, T, F]`` -> the real tokens ``[N, F]`` when ``batch.pack`` is set; ``y`` as it is otherwise."""
+    if batch.pack is None:
+        return y
+    return y.reshape(-1, y.shape[-1]).index_select(0, batch.pack)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer: int):
         super().__init__()
@@ -141,22 +165,24 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_bias)
 
-    def _qkv(self, x, cos, sin):
-        bsz, t, _ = x.shape
+    def _qkv(self, x, cos, sin, batch: ForwardBatch | None = None):
+        bsz, t = cos.shape[0], cos.shape[-2]
         if self.qkv_proj is not None:
             h, hkv = self.num_heads, self.num_kv_heads
-            qkv = self.qkv_proj(x).view(bsz, t, h + 2 * hkv, self.head_dim).transpose(1, 2)
+            qkv = _unpack(self.qkv_proj(x), batch, bsz, t).view(bsz, t, h + 2 * hkv, self.head_dim).transpose(1, 2)
             qk = qkv[:, : h + hkv]
             qk = qk * cos + rotate_half(qk) * sin  # RoPE on the query and key heads at once (elementwise)
             return qk[:, :h], qk[:, h:], qkv[:, h + hkv:]
-        q = self.q_proj(x).view(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = _unpack(self.q_proj(x), batch, bsz, t).view(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = _unpack(self.k_proj(x), batch, bsz, t).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = _unpack(self.v_proj(x), batch, bsz, t).view(bsz, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
     def forward(self, x, cos, sin, cache: KVCache, batch: ForwardBatch, key_len: int, mask: torch.Tensor):
-        bsz, t, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin)
+        """``x``: ``[B, T, hidden]``, or the real tokens ``[N, hidden]`` when ``batch.pack`` is set (the result
+        has ``x``'s layout)."""
+        bsz, t = cos.shape[0], cos.shape[-2]
+        q, k, v = self._qkv(x, cos, sin, batch)
         cache.write(self.layer, batch.slots, batch.write_index, k, v)
         keys, values = cache.read(self.layer, batch.read_slots, key_len)
         want = self.layer in batch.attention_layers
@@ -167,7 +193,7 @@ class Attention(nn.Module):
             if want:
                 _, probs = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias_f32,
                                           self.head_dim**-0.5, return_probs=True)
-            return self.o_proj(out.to(q.dtype).view(bsz, t, self.num_heads * self.head_dim)), probs
+            return self.o_proj(_pack(out.to(q.dtype).view(bsz, t, self.num_heads * self.head_dim), batch)), probs
         if batch.canonical is not None:
             # bfloat16 activations: the row-invariant attention, so a token's result does not depend on the rows
             # beside it (a tree, other slots, more key columns); SDPA's last float32 bits do, and bf16 rounding
@@ -184,7 +210,7 @@ class Attention(nn.Module):
         else:
             out, probs = tree_attention(q, keys, values, batch.attn_bias, self.head_dim**-0.5, return_probs=want)
         out = out.transpose(1, 2).reshape(bsz, t, self.num_heads * self.head_dim)
-        return self.o_proj(out), probs
+        return self.o_proj(_pack(out, batch)), probs
 
 
 class MLP(nn.Module):
@@ -308,6 +334,14 @@ class LlamaDecoder(nn.Module):
             raise ValueError("input_ids must be [B, T] and attn_mask [B, T, S]")
         x = batch.inputs_embeds if batch.inputs_embeds is not None else self.embed(batch.input_ids)
         x = x.to(self.dtype)
+        bsz, t = batch.input_ids.shape
+        batch.pack = None
+        lengths = batch.row_lengths
+        if lengths is not None and sum(lengths) < bsz * t and not batch.attention_layers:
+            # packed: the linear layers see the real tokens only (host-built index, no device sync)
+            batch.pack = torch.tensor([b * t + j for b, n in enumerate(lengths) for j in range(n)],
+                                      device=x.device)
+            x = x.reshape(bsz * t, -1).index_select(0, batch.pack)
         key_len = batch.attn_mask.shape[-1]
         mask = batch.attn_mask
         # remember the position id stored in every written column (sliding-window masks need it)
@@ -337,7 +371,32 @@ class LlamaDecoder(nn.Module):
             x, p = layer(x, cos, sin, cache, batch, key_len, mask)
             if p is not None:
                 probs[layer.self_attn.layer] = p
+        if batch.pack is not None:
+            return self._packed_logits(x, batch, bsz, t), probs
         if batch.logit_index is not None:
             x = torch.gather(x, 1, batch.logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
         x = self.model.norm(x)
         return self.lm_head(x).float(), probs
+
+    def _packed_logits(self, x: torch.Tensor, batch: ForwardBatch, bsz: int, t: int) -> torch.Tensor:
+        """Logits ``[B, R, V]`` float32 from the packed hidden states ``[N, hidden]``: the output head runs once
+        per distinct real row asked for; rows that ask for padding get a copy of another row's logits (finite,
+        never read as a token's)."""
+        lengths = batch.row_lengths
+        if batch.logit_index is None:
+            want = [[b * t + j for j in range(t)] for b in range(bsz)]
+        else:
+            want = batch.logit_index_host or batch.logit_index.tolist()
+            want = [[b * t + j for j in row] for b, row in enumerate(want)]
+        where = {}
+        for b, n in enumerate(lengths):  # flat index -> packed row
+            for j in range(n):
+                where[b * t + j] = len(where)
+        rows = sorted({where[f] for row in want for f in row if f in where})
+        slot = {r: i for i, r in enumerate(rows)}
+        first = rows[0]
+        index = [slot[where.get(f, first)] if f in where else slot[first] for row in want for f in row]
+        dev = x.device
+        h = self.model.norm(x.index_select(0, torch.tensor(rows, device=dev)))
+        logits = self.lm_head(h).float()
+        return logits.index_select(0, torch.tensor(index, device=dev)).view(bsz, len(want[0]), -1)
