@@ -103,7 +103,7 @@ def draft_once(engine, script, default, budget, depth, processors=lambda: ()) ->
     st.rng = ScriptedUniforms(script, default)
     for d in ex.drafters:
         d.release(0)
-    (tree,), _ = ex._draft((DecodeWork.of(req, 0, budget, depth),))
+    (tree,), _, _ = ex._draft((DecodeWork.of(req, 0, budget, depth),))
     ex.drop("r")
     return tree, st.rng.calls
 
@@ -307,7 +307,9 @@ GRAMMAR_CASES = {
     "paths-width2": ("paths", [("a", "2,1")], 4, 2,
                      [masked(Q_A, s) for s in ("abc", "bcd", "b", "ab")]),
     "paths-merge-sampled": ("paths", [("a", "1"), ("b", "2")], 4, 1, [masked(Q_A, "abc"), masked(Q_B, "abc")]),
-    "forced-merged": ("forced", [("a", "1,1")], 3, 2, [masked(Q_A, "a"), masked(Q_A, "bcd")]),
+    # the forced "a" goes in front of the model draft's levels (budget and depth grow by it), which then draw
+    # after "a" (q masked to "bcd") and after "ab" / "ac" (only "d") or "ad" (any token)
+    "forced-merged": ("forced", [("a", "1,1")], 3, 2, [masked(Q_A, "bcd"), masked(Q_A, "d"), Q_A]),
 }
 
 
@@ -392,7 +394,8 @@ def test_enumerated_first_tokens_follow_the_constrained_target(lms, name):
     total = defaultdict(float)
     mass, forced = 0.0, 0
     for tree, prob in enumerate_step(engine, qs, budget, depth, lambda: [grammar.constraint(len(PROMPT))]):
-        assert len(tree) <= budget
+        n_forced = len({d.child for d in tree.draws if d.proposal.drafter == "grammar"})
+        assert len(tree) <= budget + n_forced
         mass += prob
         for node in range(1, len(tree)):  # drafts are masked: every node is allowed after its parent's path
             assert p_of(tree.path_tokens(tree.parents[node]))[tree.tokens[node]] > 0, tree.path_tokens(node)

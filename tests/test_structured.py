@@ -350,3 +350,57 @@ def test_openai_response_format_to_schema():
         schema_from_response_format({"type": "json_schema", "json_schema": {"name": "x"}})
     with pytest.raises(UnsupportedParameterError, match="response_format"):
         schema_from_response_format({"type": "grammar"})
+
+
+# -- forced tokens in front of every drafter's tree, also where the gate turns the model draft off -------------
+def _gated_engine(target, drafts, num_slots=8):
+    cfg = EngineConfig(num_slots=num_slots, max_len=128, tree=TreeSpec.parse("1,1,3,1,1,1,1,1"), adaptive=True,
+                       cost_aware=True)
+    return SpeculativeEngine.from_checkpoints(target, drafts, config=cfg)
+
+
+def test_forced_tokens_survive_the_gate_turning_a_useless_draft_off(tiny, eos_target, schema_grammar, oracles):
+    """A random draft at batch 8 with the cost gate: the gate refuses its trees for the batch, yet every row
+    still gets the grammar's forced tokens (zero draft cost) — as many accepted as with no model draft at all,
+    where the old executor dropped them with the model's levels. Outputs equal the oracle."""
+    prompts = [PROMPTS[i % 2] for i in range(8)]
+    accepted, steps = {}, {}
+    for name, drafts in (("random", [tiny.random]), ("grammar-only", [])):
+        eng = _gated_engine(eos_target, drafts)
+        reqs = [eng.make_request(p, 60, logits_processors=[schema_grammar.constraint(len(p))]) for p in prompts]
+        for r in reqs:
+            eng.add_request(r)
+        eng.run()
+        assert [r.output_ids for r in reqs] == [oracles[i % 2] for i in range(8)]
+        accepted[name] = eng.executor.grammar_drafter.accepted
+        steps[name] = sum(r.stats.target_steps for r in reqs)
+        if drafts:
+            gate = eng.executor.gate
+            assert gate.counts["off"] > gate.counts["on"], gate.counts  # the draft was refused
+    assert accepted["random"] == accepted["grammar-only"] > 8 * 3  # at least `{"answer": "` for every row
+    assert steps["random"] == steps["grammar-only"]
+
+
+def test_model_draft_levels_grow_from_the_end_of_the_forced_chain(tiny, schema_grammar):
+    """The forced chain is read by the draft's catch-up forward (no forward of its own) and the draft's levels
+    start at its end: a 3-level chain tree below ``{"answer": "`` costs 3 draft forwards, as without forced
+    tokens, and its first drafted token is a grammar-allowed child of the chain's end."""
+    import xgrammar as xgr
+
+    draft = load_decoder(tiny.same)
+    drafter = ModelDrafter(draft, 1, 128, TreeSpec.parse("1,1,1"), 256, 256)
+    prompt = PROMPTS[0]
+    constraint = schema_grammar.constraint(len(prompt))
+    view = DraftView(constraint, len(prompt))
+    forced = tuple(constraint.forced_tokens(prompt, 8))
+    assert [VOCAB[t] for t in forced] == ['{"', 'answer', '": ']
+    inp = DraftInput("r", 0, list(prompt), 4 + len(forced), 3 + len(forced), SamplingParams(), constraint=view,
+                     forced=forced)
+    (tree,) = drafter.propose([inp])
+    assert drafter.forwards == 3  # catch-up (prompt + chain) and two more levels
+    assert tree.path_tokens(3) == list(forced)  # nodes 1..3: the chain, in the columns after the context
+    assert len(tree) == 1 + len(forced) + 3 and tree.max_depth == len(forced) + 3
+    leaf = max(range(len(tree)), key=tree.depths.__getitem__)
+    m = xgr.GrammarMatcher(schema_grammar.compiled)
+    assert all(m.accept_token(t) for t in tree.path_tokens(leaf))  # masked after the chain too
+    assert drafter.catch_up_tokens == len(prompt)  # the chain is not counted as a committed-token read

@@ -222,6 +222,7 @@ class SpeculativeExecutor:
         self.drafters = list(drafters)
         #: the schema-derived drafter (None: off); kept apart from :attr:`drafters`, see :attr:`proposers`
         self.grammar_drafter = GrammarDrafter() if grammar_drafter else None
+        self._forced_len: dict[str, int] = {}  # this step's forced chain length per request id
         names = [d.name for d in self.drafters]
         if len(set(names)) != len(names):
             raise ValueError(f"drafter names must be unique, got {names}")
@@ -370,39 +371,76 @@ class SpeculativeExecutor:
         proposes."""
         return bool(self.drafters) or (self.grammar_drafter is not None and _draft_constraint(req) is not None)
 
-    def _draft(self, decodes: tuple[DecodeWork, ...]) -> tuple[list[TokenTree], float]:
+    #: most forced (grammar-determined) tokens put in front of one request's tree per step
+    MAX_FORCED = 32
+
+    def _forced(self, st: "RequestState", work: DecodeWork) -> tuple[int, ...]:
+        """The tokens the request's grammar forces after its context (xgrammar's jump-forward tokens), as many as
+        its remaining tokens and cache columns allow beyond the plan's tree; () without a grammar drafter, a
+        grammar, or speculation. They cost no draft forward: they are proposed in front of every drafter's tree
+        (:attr:`DraftInput.forced`)."""
+        if self.grammar_drafter is None or not st.spec.speculate:
+            return ()
+        constraint = _draft_constraint(st.spec)
+        if constraint is None:
+            return ()
+        limit = min(self.MAX_FORCED, self._depth_cap(st))
+        return tuple(constraint.forced_tokens(st.draft_context, limit)) if limit > 0 else ()
+
+    def _depth_cap(self, st: "RequestState") -> int:
+        """The deepest draft token the request's remaining tokens and cache columns allow."""
+        return min(st.remaining - 1, self.max_len - len(st.context))
+
+    def _draft(self, decodes: tuple[DecodeWork, ...]) -> tuple[list[TokenTree], tuple[DecodeWork, ...], float]:
+        """Draft every decode row: the grammar's forced tokens first (zero cost, also for rows the plan or the
+        gate left without draft levels), then each drafter's tree after them, merged. Returns the trees, the
+        decodes with their budgets and depths grown by the forced tokens, and the seconds spent."""
         t0 = time.perf_counter()
         trees: list[TokenTree | None] = [None] * len(decodes)
-        drafting = []
+        works = list(decodes)
+        drafting, forced = [], {}
         for j, work in enumerate(decodes):
             st = self.states[work.request_id]
-            if work.node_budget > 1 and work.max_depth > 0 and self._speculates(st.spec):
+            levels = work.node_budget > 1 and work.max_depth > 0 and self._speculates(st.spec)
+            chain = self._forced(st, work)
+            if chain:
+                forced[j] = chain
+                cap = self._depth_cap(st)  # forced tokens come first; draft levels get what is left
+                works[j] = dataclasses.replace(work, node_budget=min(work.node_budget + len(chain), cap + 1),
+                                               max_depth=min(work.max_depth + len(chain), cap))
+            if levels or chain:
                 drafting.append(j)
             else:
                 trees[j] = TokenTree(st.context[-1])
+        self._forced_len = {works[j].request_id: len(chain) for j, chain in forced.items()}
         if drafting:
             proposals = []
             for d in self.proposers:
+                rows = [j for j in drafting if d is self.grammar_drafter or
+                        (decodes[j].node_budget > 1 and decodes[j].max_depth > 0
+                         and works[j].max_depth > len(forced.get(j, ())))]
                 inputs = []
-                for j in drafting:
-                    work = decodes[j]
+                for j in rows:
+                    work = works[j]
                     st = self.states[work.request_id]
                     req = st.spec
                     inputs.append(DraftInput(req.request_id, work.slot, st.draft_context, work.node_budget,
                                              work.max_depth, req.sampling, st.rng,
                                              st.drafters.setdefault(d.name, {}), req.draft_hypothesis,
-                                             _draft_constraint(req)))
-                proposals.append(d.propose(inputs))
-            for k, j in enumerate(drafting):
-                mine = [p[k] for p in proposals]
+                                             _draft_constraint(req), forced.get(j, ())))
+                proposals.append(dict(zip(rows, d.propose(inputs))) if inputs else {})
+            for j in drafting:
+                root = self.states[works[j].request_id].context[-1]
+                mine = [p[j] for p in proposals if j in p]
                 if self.grammar_drafter is not None and len(mine) > 1 and len(mine[0]) == 1:
                     mine = mine[1:]  # no forced tokens: the other drafters' trees as they were
-                budget = decodes[j].node_budget
-                tree = TokenTree.merge(mine, max_nodes=budget) if len(mine) > 1 else mine[0]
-                if len(tree) > budget or tree.max_depth > decodes[j].max_depth:
-                    tree = tree.truncated(budget, decodes[j].max_depth)
+                budget = works[j].node_budget
+                tree = (TokenTree.merge(mine, max_nodes=budget) if len(mine) > 1
+                        else mine[0] if mine else TokenTree(root))
+                if len(tree) > budget or tree.max_depth > works[j].max_depth:
+                    tree = tree.truncated(budget, works[j].max_depth)
                 trees[j] = tree
-        return trees, time.perf_counter() - t0
+        return trees, tuple(works), time.perf_counter() - t0
 
     # -- the step -------------------------------------------------------------------------------------------
     def _gate_step(self, plan: StepPlan) -> tuple[DecodeWork, ...]:
@@ -455,7 +493,7 @@ class SpeculativeExecutor:
         if not plan.prefills and not plan.decodes:
             return StepOutput(plan.step, (), 0, 0, time.perf_counter() - t_start, encoded)
         decodes = self._gate_step(plan)
-        trees, draft_s = self._draft(decodes)
+        trees, decodes, draft_s = self._draft(decodes)
         drafted = any(len(t) > 1 for t in trees)
         t_verify = time.perf_counter()
         rows: list[_Row] = []
@@ -495,7 +533,8 @@ class SpeculativeExecutor:
             self.cost_ratio = ratio if self.cost_ratio is None else 0.8 * self.cost_ratio + 0.2 * ratio
             # one-off catch-up reads (a prompt, tokens of steps without drafts) are not a cost per level
             steady_s = max(0.0, draft_s - sum(d.catch_up_excess_s() for d in self.drafters))
-            level_s = steady_s / max(1, max(t.max_depth for t in trees))
+            level_s = steady_s / max(1, max(t.max_depth - self._forced_len.get(w.request_id, 0)
+                                             for t, w in zip(trees, decodes)))
             self._level_s = level_s if self._level_s is None else 0.8 * self._level_s + 0.2 * level_s
         if verify_s > 0 and self.cost_aware:
             self.verify_fit.observe(sum(len(r.tokens) for r in rows), verify_s)
@@ -643,6 +682,9 @@ class SpeculativeExecutor:
             row_invariant=True,  # the target's bits must not depend on the rows beside each token
             tree_rows=dec_idx if sub is not None and sub.width > 1 else None,  # one-node trees sit in place
             tree_width=sub.width if sub is not None else 0,
+            row_lengths=[len(r.tokens) for r in rows],
+            logit_index_host=None if lidx is None else [
+                [len(r.tokens) - 1] + [0] * (r_max - 1) if r.is_prefill else list(range(r_max)) for r in rows],
         )
         logits, attn = self.target.forward_batch(self.cache, batch)  # [B, R, V] on the device
         self.target_forwards += 1
@@ -935,10 +977,13 @@ class SpeculativeExecutor:
             requested = 1
             if req.speculate and self._speculates(req):
                 budget = row.state.budget
-                if not row.is_prefill:
-                    budget.observe(num_accepted, len(row.tree), row.tree.max_depth)
+                # what the draft levels did: the forced chain in front of them is left out (accepted nearly
+                # always, at no draft cost); a step whose forced chain was cut, or that had no levels, says nothing
+                f = self._forced_len.get(req.request_id, 0)
+                if not row.is_prefill and num_accepted >= f and row.tree.max_depth > f:
+                    budget.observe(num_accepted - f, len(row.tree) - f, row.tree.max_depth - f)
                     if self.gate is not None:
-                        self.gate.observe(num_accepted, row.tree.max_depth)
+                        self.gate.observe(num_accepted - f, row.tree.max_depth - f)
                 requested = (budget.requested_nodes(self.cost_ratio or 0.0, self.depth_cost, self.node_cost)
                              if self.adaptive
                              else self.full_nodes)

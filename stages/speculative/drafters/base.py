@@ -33,7 +33,11 @@ class DraftInput:
         state: this drafter's scratch for this request (kept across steps, dropped when the request ends).
         hypothesis: a previous hypothesis of the same content (the temporal drafter's source), or None.
         constraint: the request's grammar (:class:`~specstream.stages.speculative.grammar.GrammarConstraint`),
-            or None: model drafters mask their drafts by it, the grammar drafter proposes its forced tokens.
+            or None: model drafters mask their drafts by it.
+        forced: the tokens the grammar forces after ``context`` (xgrammar's jump-forward tokens), computed once
+            per step by the executor, or (): every drafter's tree starts with them as one chain below the root
+            (the grammar drafter proposes only them; a model drafter reads them with its catch-up and drafts its
+            levels after them). ``node_budget`` and ``max_depth`` include them.
     """
 
     request_id: str
@@ -46,6 +50,7 @@ class DraftInput:
     state: dict = field(default_factory=dict)
     hypothesis: tuple[int, ...] | None = None
     constraint: object | None = None
+    forced: tuple[int, ...] = ()
 
 
 class Drafter(abc.ABC):

@@ -15,7 +15,8 @@ from specstream.stages.speculative.tree import Proposal, ProposalKind, TokenTree
 
 
 class GrammarDrafter(Drafter):
-    """Proposes each constrained request's forced continuation as one chain (no model, no device work).
+    """Proposes each constrained request's forced continuation (:attr:`DraftInput.forced`, computed by the
+    executor) as one chain (no model, no device work).
 
     Attributes:
         proposed: forced tokens proposed so far (all requests).
@@ -33,11 +34,9 @@ class GrammarDrafter(Drafter):
         trees = []
         for inp in inputs:
             tree = TokenTree(inp.context[-1])
-            if inp.constraint is not None:
-                limit = min(inp.max_depth, inp.node_budget - 1)
-                chain = inp.constraint.forced_tokens(inp.context, limit)
-                tree.add_path(chain, self._proposal)
-                self.proposed += len(chain)
+            chain = list(inp.forced[:min(inp.max_depth, inp.node_budget - 1)])
+            tree.add_path(chain, self._proposal)
+            self.proposed += len(chain)
             inp.state["nodes"] = len(tree) - 1
             trees.append(tree)
         return trees

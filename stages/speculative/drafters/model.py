@@ -152,26 +152,32 @@ class ModelDrafter(Drafter):
             torch.tensor(slots, device=dev), torch.tensor(pad(ids, 0), device=dev),
             torch.tensor(pad(positions, 0), device=dev), torch.tensor(pad(columns, self.cache.scratch), device=dev),
             mask, logit_index=torch.tensor([[n - 1] for n in lengths], device=dev) if last_only else None,
-            slot_list=list(slots), max_position=max(max(p) for p in positions))
+            slot_list=list(slots), max_position=max(max(p) for p in positions), row_lengths=lengths,
+            logit_index_host=[[n - 1] for n in lengths] if last_only else None)
         logits, _ = self.model.forward_batch(self.cache, batch)
         self.forwards += 1
         return logits
 
     def _catch_up(self, inputs: list[DraftInput]) -> torch.Tensor:
-        """Feed every request's committed tokens the draft has not seen; returns the root rows' logits ``[B, V]``."""
+        """Feed every request's committed tokens the draft has not seen, then its forced tokens
+        (:attr:`DraftInput.forced`, tree nodes ``1..f`` in columns ``base + 1..f``); returns the logits ``[B, V]``
+        of each request's last row (the root, or the forced chain's end)."""
         t0 = time.perf_counter()
         ids, pos, slots, starts = [], [], [], []
+        steady = 0  # what a step that follows a drafted step reads: its committed tokens, forced ones included
         for inp in inputs:
+            steady += self.tree_spec.depth + 1 + inp.state.get("forced", 0)
+            inp.state["forced"] = len(inp.forced)
             cached = self.cache.lengths[inp.slot]
             if cached > len(inp.context) - 1:
                 cached = 0  # stale slot (reused or preempted): rebuild
-            ids.append(inp.context[cached:])
-            pos.append(list(range(cached, len(inp.context))))
+            ids.append(inp.context[cached:] + list(inp.forced))
+            pos.append(list(range(cached, len(inp.context) + len(inp.forced))))
             slots.append(inp.slot)
             starts.append(cached)
         dev = self.model.device
         t = max(len(r) for r in ids)
-        key_len = max(len(inp.context) for inp in inputs)
+        key_len = max(len(inp.context) + len(inp.forced) for inp in inputs)
         start = torch.tensor(starts, device=dev)
         n = torch.tensor([len(r) for r in ids], device=dev)
         q_pos = start[:, None] + torch.arange(t, device=dev)[None, :]  # [B, T]
@@ -181,13 +187,12 @@ class ModelDrafter(Drafter):
         mask &= valid[:, :, None]
         mask[:, :, 0] |= ~valid
         logits = self._forward(slots, ids, pos, pos, mask, last_only=True)[:, 0]
-        fed = sum(len(r) for r in ids)
+        fed = sum(len(r) for r in ids) - sum(len(inp.forced) for inp in inputs)  # committed tokens read
         self.catch_up_tokens += fed
         for inp in inputs:
             self.cache.lengths[inp.slot] = len(inp.context)
-        # a steady step feeds at most the last step's committed tokens (depth + 1 per request); the rest is a
-        # one-off (a prompt, tokens committed while drafting was off), charged pro rata
-        steady = len(inputs) * (self.tree_spec.depth + 1)
+        # a steady step feeds at most the last step's committed tokens (forced + depth + 1 per request); the rest
+        # is a one-off (a prompt, tokens committed while drafting was off), charged pro rata
         elapsed = time.perf_counter() - t0
         self._excess_s = elapsed * max(0, fed - steady) / fed if fed else 0.0
         if fed >= max(16, 2 * steady):  # a read of mostly one-off tokens: its seconds per token
@@ -228,12 +233,17 @@ class ModelDrafter(Drafter):
             return []
         spec = self.tree_spec
         trees = [TokenTree(inp.context[-1]) for inp in inputs]
+        # the grammar's forced tokens: one chain below the root (nodes 1..f, columns base + 1..f, contiguous with
+        # the context), read by the catch-up forward; the draft levels grow from the chain's end
+        forced_prop = Proposal(ProposalKind.DETERMINISTIC, drafter=self.name)
+        starts = [(trees[i].add_path(list(inp.forced), forced_prop) or [0])[-1] for i, inp in enumerate(inputs)]
         cap = spec.dynamic_nodes + 1 if spec.dynamic_nodes else spec.num_nodes()
-        units = [max(0, min(inp.node_budget, cap) - 1) for inp in inputs]  # draws left, root excluded
-        depth_limit = [min(inp.max_depth, spec.depth) for inp in inputs]
-        fed = [{0} for _ in inputs]  # nodes whose draft K/V are in the cache (column base + node)
+        # draws left, root and forced chain excluded
+        units = [max(0, min(inp.node_budget - len(inp.forced), cap) - 1) for inp in inputs]
+        depth_limit = [min(inp.max_depth - len(inp.forced), spec.depth) for inp in inputs]
+        fed = [set(range(len(inp.forced) + 1)) for inp in inputs]  # nodes whose draft K/V are in the cache
         logits = self._catch_up(inputs)
-        rows = [(i, 0) for i in range(len(inputs))]  # (request, node) of each row of ``logits``
+        rows = [(i, starts[i]) for i in range(len(inputs))]  # (request, node) of each row of ``logits``
         cum = torch.zeros(len(inputs), device=logits.device)  # dynamic: cumulative log-probability per row
         depth = 0
         while rows:
