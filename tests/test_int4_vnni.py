@@ -187,3 +187,33 @@ def test_a_killed_builds_lock_is_removed_and_a_live_one_kept(tmp_path, monkeypat
         assert not int4_vnni.clear_stale_lock(tmp_path) and lock.exists()
     assert int4_vnni.clear_stale_lock(tmp_path) and not lock.exists()
     assert not int4_vnni.clear_stale_lock(tmp_path)  # nothing there
+
+
+@needs_vnni
+def test_prefetch_distances_give_the_same_bits_and_the_choice_is_timed_or_set(monkeypatch):
+    """Both software prefetch distances the kernel is built with give the same result, bit for bit, at 1 and 21
+    rows; the process's distance is the environment's when set (a bad value is refused by name), and otherwise
+    the faster of the two by :func:`time_prefetch`, which times each."""
+    q, sz = _codes(1024, 1536, seed=7)
+    packed = int4_vnni.pack(q, sz)
+    ext = int4_vnni._load()
+    for m in (1, 21):
+        x = _activations(m, 1536, seed=8)
+        assert torch.equal(ext.int4_mm(x, packed, 0), ext.int4_mm(x, packed, 8))
+    with pytest.raises(RuntimeError, match="prefetch must be 0 or 8"):
+        ext.int4_mm(_activations(1, 1536), packed, 3)
+    times = int4_vnni.time_prefetch(channels=1024, copies=2, rounds=2)
+    assert set(times) == set(int4_vnni.PREFETCH_DISTANCES) and all(0 < t < 10 for t in times.values())
+    for env, want in (("0", 0), ("8", 8)):
+        monkeypatch.setenv("SPECSTREAM_INT4_PREFETCH", env)
+        int4_vnni.prefetch_distance.cache_clear()
+        assert int4_vnni.prefetch_distance() == want
+    monkeypatch.setenv("SPECSTREAM_INT4_PREFETCH", "4")
+    int4_vnni.prefetch_distance.cache_clear()
+    with pytest.raises(ValueError, match="SPECSTREAM_INT4_PREFETCH='4'"):
+        int4_vnni.prefetch_distance()
+    monkeypatch.setenv("SPECSTREAM_INT4_PREFETCH", "auto")
+    monkeypatch.setattr(int4_vnni, "time_prefetch", lambda: {0: 0.5, 8: 0.7})
+    int4_vnni.prefetch_distance.cache_clear()
+    assert int4_vnni.prefetch_distance() == 0
+    int4_vnni.prefetch_distance.cache_clear()
