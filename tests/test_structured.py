@@ -359,14 +359,24 @@ def _gated_engine(target, drafts, num_slots=8):
     return SpeculativeEngine.from_checkpoints(target, drafts, config=cfg)
 
 
-def test_forced_tokens_survive_the_gate_turning_a_useless_draft_off(tiny, eos_target, schema_grammar, oracles):
-    """A random draft at batch 8 with the cost gate: the gate refuses its trees for the batch, yet every row
-    still gets the grammar's forced tokens (zero draft cost) — as many accepted as with no model draft at all,
-    where the old executor dropped them with the model's levels. Outputs equal the oracle."""
+def test_forced_tokens_survive_the_gate_turning_the_draft_off(tiny, eos_target, schema_grammar, oracles,
+                                                              monkeypatch):
+    """At batch 8, a gate that refuses the model draft's trees for every row of every step (its cut: node budget
+    1): every row still gets the grammar's forced tokens (zero draft cost) — as many accepted, in as few steps,
+    as with no model draft at all — and the draft model never runs; the old executor dropped them with the
+    model's levels. Outputs equal the oracle. (The refusal is forced here; whether the live gate refuses a
+    useless draft is ``test_spec_gate.py``'s.)"""
+    from specstream.schedulers.costmodel import GateChoice
+
     prompts = [PROMPTS[i % 2] for i in range(8)]
     accepted, steps = {}, {}
     for name, drafts in (("random", [tiny.random]), ("grammar-only", [])):
         eng = _gated_engine(eos_target, drafts)
+        if drafts:
+            gate = eng.executor.gate
+            refuse = lambda rows, *a, **k: GateChoice(0, tuple(False for _ in rows), False, 0.0, 0.0)  # noqa: E731
+            monkeypatch.setattr(gate, "decide", refuse)
+            monkeypatch.setattr(gate, "warmup", refuse)
         reqs = [eng.make_request(p, 60, logits_processors=[schema_grammar.constraint(len(p))]) for p in prompts]
         for r in reqs:
             eng.add_request(r)
@@ -375,10 +385,11 @@ def test_forced_tokens_survive_the_gate_turning_a_useless_draft_off(tiny, eos_ta
         accepted[name] = eng.executor.grammar_drafter.accepted
         steps[name] = sum(r.stats.target_steps for r in reqs)
         if drafts:
-            gate = eng.executor.gate
-            assert gate.counts["off"] > gate.counts["on"], gate.counts  # the draft was refused
+            assert eng.executor.drafters[0].forwards == 0
+            # forced tokens alone cost no draft time: the draft's cost estimates were never fed a step
+            assert eng.executor.cost_ratio is None and eng.executor._level_s is None
     assert accepted["random"] == accepted["grammar-only"] > 8 * 3  # at least `{"answer": "` for every row
-    assert steps["random"] == steps["grammar-only"]
+    assert steps["random"] == steps["grammar-only"] < sum(len(o) for o in oracles) * 4
 
 
 def test_model_draft_levels_grow_from_the_end_of_the_forced_chain(tiny, schema_grammar):
@@ -404,3 +415,39 @@ def test_model_draft_levels_grow_from_the_end_of_the_forced_chain(tiny, schema_g
     m = xgr.GrammarMatcher(schema_grammar.compiled)
     assert all(m.accept_token(t) for t in tree.path_tokens(leaf))  # masked after the chain too
     assert drafter.catch_up_tokens == len(prompt)  # the chain is not counted as a committed-token read
+
+
+def test_drafters_that_do_not_read_the_forced_chain_get_the_plans_tree(tiny, eos_target, schema_grammar, oracles):
+    """An n-gram drafter drafts from the root: it gets no forced tokens and the plan's node budget and depth,
+    not the ones grown by the chain, while the model drafter beside it gets both."""
+    from specstream.stages.speculative.drafters.base import Drafter
+
+    class Recorder(Drafter):
+        name = "recorder"
+
+        def __init__(self):
+            self.seen = []
+
+        def propose(self, inputs):
+            from specstream.stages.speculative.tree import TokenTree
+
+            self.seen.extend((inp.forced, inp.node_budget, inp.max_depth) for inp in inputs)
+            return [TokenTree(inp.context[-1]) for inp in inputs]
+
+    cfg = EngineConfig(num_slots=2, tree=TreeSpec.parse("1,1,1"), adaptive=False)
+    eng = SpeculativeEngine.from_checkpoints(eos_target, [tiny.noisy], config=cfg)
+    rec = Recorder()
+    eng.executor.drafters.append(rec)
+    seen_model = []
+    model = eng.executor.drafters[0]
+    propose = model.propose
+    model.propose = lambda inputs: (seen_model.extend((i.forced, i.node_budget, i.max_depth) for i in inputs),
+                                    propose(inputs))[1]
+    req = eng.make_request(PROMPTS[0], 60, logits_processors=[schema_grammar.constraint(len(PROMPTS[0]))])
+    eng.add_request(req)
+    eng.run()
+    assert req.output_ids == oracles[0]
+    plan = {(b, d) for f, b, d in seen_model if not f}  # steps without forced tokens: the plan's tree as is
+    assert rec.seen and all(f == () and (b, d) in plan for f, b, d in rec.seen)
+    grown = [(f, b, d) for f, b, d in seen_model if f]
+    assert grown and all((b - len(f), d - len(f)) in plan for f, b, d in grown)

@@ -222,7 +222,9 @@ class SpeculativeExecutor:
         self.drafters = list(drafters)
         #: the schema-derived drafter (None: off); kept apart from :attr:`drafters`, see :attr:`proposers`
         self.grammar_drafter = GrammarDrafter() if grammar_drafter else None
-        self._forced_len: dict[str, int] = {}  # this step's forced chain length per request id
+        self._chains: dict[str, tuple[int, ...]] = {}  # this step's forced chain per request id
+        self._ran: list[Drafter] = []  # this step's drafters with a cost that drafted (not the grammar drafter)
+        self._drafted_levels = 0  # their deepest level below the forced chains
         names = [d.name for d in self.drafters]
         if len(set(names)) != len(names):
             raise ValueError(f"drafter names must be unique, got {names}")
@@ -371,14 +373,15 @@ class SpeculativeExecutor:
         proposes."""
         return bool(self.drafters) or (self.grammar_drafter is not None and _draft_constraint(req) is not None)
 
-    #: most forced (grammar-determined) tokens put in front of one request's tree per step
-    MAX_FORCED = 32
+    #: most forced (grammar-determined) tokens put in front of one request's tree per step: they come on top of
+    #: the plan's tree (the scheduler's node and token budgets do not count them; they are accepted nearly always)
+    MAX_FORCED = 16
 
     def _forced(self, st: "RequestState", work: DecodeWork) -> tuple[int, ...]:
-        """The tokens the request's grammar forces after its context (xgrammar's jump-forward tokens), as many as
-        its remaining tokens and cache columns allow beyond the plan's tree; () without a grammar drafter, a
-        grammar, or speculation. They cost no draft forward: they are proposed in front of every drafter's tree
-        (:attr:`DraftInput.forced`)."""
+        """The tokens the request's grammar forces after its context (xgrammar's jump-forward tokens), at most
+        :data:`MAX_FORCED` and what its remaining tokens and cache columns allow (they come first: near that cap the
+        plan's draft levels are cut to make room); () without a grammar drafter, a grammar, or speculation. They
+        cost no draft forward: the drafters that read :attr:`DraftInput.forced` put them in front of their trees."""
         if self.grammar_drafter is None or not st.spec.speculate:
             return ()
         constraint = _draft_constraint(st.spec)
@@ -412,23 +415,32 @@ class SpeculativeExecutor:
                 drafting.append(j)
             else:
                 trees[j] = TokenTree(st.context[-1])
-        self._forced_len = {works[j].request_id: len(chain) for j, chain in forced.items()}
+        self._chains = {works[j].request_id: chain for j, chain in forced.items()}
+        self._ran, self._drafted_levels = [], 0
         if drafting:
             proposals = []
             for d in self.proposers:
+                # a drafter that reads the forced chain drafts below it, within the grown budget and depth; the
+                # others draft from the root within the plan's tree, as without a grammar
+                reads = d.reads_forced
                 rows = [j for j in drafting if d is self.grammar_drafter or
                         (decodes[j].node_budget > 1 and decodes[j].max_depth > 0
-                         and works[j].max_depth > len(forced.get(j, ())))]
+                         and (not reads or works[j].max_depth > len(forced.get(j, ()))))]
                 inputs = []
                 for j in rows:
-                    work = works[j]
+                    work = works[j] if reads else decodes[j]
                     st = self.states[work.request_id]
                     req = st.spec
                     inputs.append(DraftInput(req.request_id, work.slot, st.draft_context, work.node_budget,
                                              work.max_depth, req.sampling, st.rng,
                                              st.drafters.setdefault(d.name, {}), req.draft_hypothesis,
-                                             _draft_constraint(req), forced.get(j, ())))
+                                             _draft_constraint(req), forced.get(j, ()) if reads else ()))
                 proposals.append(dict(zip(rows, d.propose(inputs))) if inputs else {})
+                if inputs and d is not self.grammar_drafter:
+                    self._ran.append(d)
+                    for j, tree in zip(rows, proposals[-1].values()):
+                        f = len(forced.get(j, ())) if reads else 0
+                        self._drafted_levels = max(self._drafted_levels, tree.max_depth - f)
             for j in drafting:
                 root = self.states[works[j].request_id].context[-1]
                 mine = [p[j] for p in proposals if j in p]
@@ -494,7 +506,7 @@ class SpeculativeExecutor:
             return StepOutput(plan.step, (), 0, 0, time.perf_counter() - t_start, encoded)
         decodes = self._gate_step(plan)
         trees, decodes, draft_s = self._draft(decodes)
-        drafted = any(len(t) > 1 for t in trees)
+        drafted = bool(self._ran)  # a drafter with a cost ran (forced tokens alone cost no draft time)
         t_verify = time.perf_counter()
         rows: list[_Row] = []
         for work in plan.prefills:
@@ -532,9 +544,8 @@ class SpeculativeExecutor:
             ratio = draft_s / verify_s
             self.cost_ratio = ratio if self.cost_ratio is None else 0.8 * self.cost_ratio + 0.2 * ratio
             # one-off catch-up reads (a prompt, tokens of steps without drafts) are not a cost per level
-            steady_s = max(0.0, draft_s - sum(d.catch_up_excess_s() for d in self.drafters))
-            level_s = steady_s / max(1, max(t.max_depth - self._forced_len.get(w.request_id, 0)
-                                             for t, w in zip(trees, decodes)))
+            steady_s = max(0.0, draft_s - sum(d.catch_up_excess_s() for d in self._ran))
+            level_s = steady_s / max(1, self._drafted_levels)  # draft levels, the forced chain left out
             self._level_s = level_s if self._level_s is None else 0.8 * self._level_s + 0.2 * level_s
         if verify_s > 0 and self.cost_aware:
             self.verify_fit.observe(sum(len(r.tokens) for r in rows), verify_s)
@@ -978,9 +989,12 @@ class SpeculativeExecutor:
             if req.speculate and self._speculates(req):
                 budget = row.state.budget
                 # what the draft levels did: the forced chain in front of them is left out (accepted nearly
-                # always, at no draft cost); a step whose forced chain was cut, or that had no levels, says nothing
-                f = self._forced_len.get(req.request_id, 0)
-                if not row.is_prefill and num_accepted >= f and row.tree.max_depth > f:
+                # always, at no draft cost); a step whose accepted path left the chain, or that had no levels
+                # below it, says nothing
+                chain = self._chains.get(req.request_id, ())
+                f = len(chain)
+                through = not f or (num_accepted >= f and list(accepted[:f]) == list(chain))
+                if not row.is_prefill and through and row.tree.max_depth > f:
                     budget.observe(num_accepted - f, len(row.tree) - f, row.tree.max_depth - f)
                     if self.gate is not None:
                         self.gate.observe(num_accepted - f, row.tree.max_depth - f)

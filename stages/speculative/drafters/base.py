@@ -35,9 +35,10 @@ class DraftInput:
         constraint: the request's grammar (:class:`~specstream.stages.speculative.grammar.GrammarConstraint`),
             or None: model drafters mask their drafts by it.
         forced: the tokens the grammar forces after ``context`` (xgrammar's jump-forward tokens), computed once
-            per step by the executor, or (): every drafter's tree starts with them as one chain below the root
-            (the grammar drafter proposes only them; a model drafter reads them with its catch-up and drafts its
-            levels after them). ``node_budget`` and ``max_depth`` include them.
+            per step by the executor, or (): a drafter with :attr:`Drafter.reads_forced` starts its tree with them
+            as one chain below the root (the grammar drafter proposes only them; a model drafter reads them with
+            its catch-up and drafts its levels after them), and then ``node_budget`` and ``max_depth`` include
+            them. Other drafters get () and the plan's tree.
     """
 
     request_id: str
@@ -58,6 +59,9 @@ class Drafter(abc.ABC):
 
     #: short name used in stats, proposals and as the key of the request record's drafter state
     name: str = "drafter"
+    #: whether :meth:`propose` puts :attr:`DraftInput.forced` in front of its tree; the executor gives the others
+    #: the plan's tree (no forced tokens, the plan's budget and depth)
+    reads_forced: bool = False
 
     @abc.abstractmethod
     def propose(self, inputs: list[DraftInput]) -> list[TokenTree]:

@@ -24,6 +24,7 @@ class GrammarDrafter(Drafter):
     """
 
     name = "grammar"
+    reads_forced = True
 
     def __init__(self):
         self.proposed = 0

@@ -114,6 +114,8 @@ class ModelDrafter(Drafter):
         name: the drafter's name (unique per engine).
     """
 
+    reads_forced = True  # the forced chain is read by the catch-up forward; the levels grow from its end
+
     def __init__(
         self,
         model: LlamaDecoder,
@@ -187,13 +189,14 @@ class ModelDrafter(Drafter):
         mask &= valid[:, :, None]
         mask[:, :, 0] |= ~valid
         logits = self._forward(slots, ids, pos, pos, mask, last_only=True)[:, 0]
-        fed = sum(len(r) for r in ids) - sum(len(inp.forced) for inp in inputs)  # committed tokens read
+        n_forced = sum(len(inp.forced) for inp in inputs)
+        fed = sum(len(r) for r in ids) - n_forced  # committed tokens read
         self.catch_up_tokens += fed
         for inp in inputs:
             self.cache.lengths[inp.slot] = len(inp.context)
         # a steady step feeds at most the last step's committed tokens (forced + depth + 1 per request); the rest
         # is a one-off (a prompt, tokens committed while drafting was off), charged pro rata
-        elapsed = time.perf_counter() - t0
+        elapsed = (time.perf_counter() - t0) * fed / max(1, fed + n_forced)  # the committed tokens' share
         self._excess_s = elapsed * max(0, fed - steady) / fed if fed else 0.0
         if fed >= max(16, 2 * steady):  # a read of mostly one-off tokens: its seconds per token
             token_s = elapsed / fed

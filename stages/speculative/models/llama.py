@@ -392,7 +392,7 @@ class LlamaDecoder(nn.Module):
         for b, n in enumerate(lengths):  # flat index -> packed row
             for j in range(n):
                 where[b * t + j] = len(where)
-        rows = sorted({where[f] for row in want for f in row if f in where})
+        rows = sorted({where[f] for row in want for f in row if f in where}) or [0]  # [0]: only padding asked
         slot = {r: i for i, r in enumerate(rows)}
         first = rows[0]
         index = [slot[where.get(f, first)] if f in where else slot[first] for row in want for f in row]
