@@ -381,21 +381,19 @@ class LlamaDecoder(nn.Module):
     def _packed_logits(self, x: torch.Tensor, batch: ForwardBatch, bsz: int, t: int) -> torch.Tensor:
         """Logits ``[B, R, V]`` float32 from the packed hidden states ``[N, hidden]``: the output head runs once
         per distinct real row asked for; rows that ask for padding get a copy of another row's logits (finite,
-        never read as a token's)."""
+        never read as a token's). Row ``b``'s token ``j`` is packed row ``offsets[b] + j``."""
         lengths = batch.row_lengths
         if batch.logit_index is None:
-            want = [[b * t + j for j in range(t)] for b in range(bsz)]
+            want = [list(range(t))] * bsz
         else:
-            want = batch.logit_index_host or batch.logit_index.tolist()
-            want = [[b * t + j for j in row] for b, row in enumerate(want)]
-        where = {}
-        for b, n in enumerate(lengths):  # flat index -> packed row
-            for j in range(n):
-                where[b * t + j] = len(where)
-        rows = sorted({where[f] for row in want for f in row if f in where}) or [0]  # [0]: only padding asked
+            want = batch.logit_index_host if batch.logit_index_host is not None else batch.logit_index.tolist()
+        offsets = [0]
+        for n in lengths[:-1]:
+            offsets.append(offsets[-1] + n)
+        packed = [[offsets[b] + j if j < lengths[b] else -1 for j in row] for b, row in enumerate(want)]
+        rows = sorted({r for row in packed for r in row if r >= 0}) or [0]  # [0]: only padding asked
         slot = {r: i for i, r in enumerate(rows)}
-        first = rows[0]
-        index = [slot[where.get(f, first)] if f in where else slot[first] for row in want for f in row]
+        index = [slot.get(r, 0) for row in packed for r in row]
         dev = x.device
         h = self.model.norm(x.index_select(0, torch.tensor(rows, device=dev)))
         logits = self.lm_head(h).float()
