@@ -35,7 +35,7 @@ constexpr int64_t kLanes = 16;   // output channels per block
 constexpr int kMaxTile = 8;      // activation rows per pass over a block's codes
 constexpr int64_t kGroupBytes = 320;  // one group of a block: 256 bytes of codes, 16 bf16 scales, 16 bf16 zeros
 // Software prefetch distance, groups of one block ahead: 0 (none, the hardware prefetcher alone) or 8. Which
-// streams faster depends on the CPU (on an AMD EPYC Zen 4, none: 4-10 % faster on one row); the Python side
+// streams faster depends on the CPU (on this project's 2-core AMD EPYC, none: 4-10 % faster on one row); the Python side
 // times both once per process and passes its choice (int4_vnni.prefetch_distance)
 constexpr int64_t kPrefetchGroups = 8;
 

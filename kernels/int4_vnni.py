@@ -258,7 +258,7 @@ PREFETCH_DISTANCES = (0, 8)
 def prefetch_distance() -> int:
     """The kernel's software prefetch distance for this process: ``SPECSTREAM_INT4_PREFETCH`` (0 or 8), or by
     default the faster of the two on this CPU, timed once (:func:`time_prefetch`, about 0.1 s). The choice changes
-    no result bit, only how the weights stream from memory (on an AMD EPYC Zen 4, no software prefetch was
+    no result bit, only how the weights stream from memory (on this project's 2-core AMD EPYC, no software prefetch was
     4-10 % faster for one row).
 
     Raises:
