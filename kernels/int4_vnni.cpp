@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 
+namespace int4 {
 namespace {
 
 constexpr int64_t kGroup = 32;   // input columns per scale (weights and activations)
@@ -171,7 +172,12 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, int64_t prefetch) {
   return y;
 }
 
+}  // namespace int4
+
+// decoder_layer.cpp includes this file and defines its own module
+#ifndef SPECSTREAM_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_mm", &int4_mm, "y[M,N] bf16 = x[M,K] bf16 @ ((codes - 8) * scales + zeros)^T (AVX-512 VNNI)",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("prefetch") = kPrefetchGroups);
+  m.def("int4_mm", &int4::int4_mm, "y[M,N] bf16 = x[M,K] bf16 @ ((codes - 8) * scales + zeros)^T (AVX-512 VNNI)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("prefetch") = int4::kPrefetchGroups);
 }
+#endif

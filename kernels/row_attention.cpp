@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <vector>
 
+namespace rowattn {
 namespace {
 
 constexpr int kMaxChunks = 16;  // D up to 256
@@ -182,7 +183,11 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
 }
 
 }  // namespace
+}  // namespace rowattn
 
+// decoder_layer.cpp includes this file and defines its own module
+#ifndef SPECSTREAM_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("row_attention", &row_attention, "row-invariant attention (q, k, v, mask, pos, scale) -> [B, T, Hq, D]");
+  m.def("row_attention", &rowattn::row_attention, "row-invariant attention (q, k, v, mask, pos, scale) -> [B, T, Hq, D]");
 }
+#endif

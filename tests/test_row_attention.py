@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specstream.kernels import int4_vnni
+from specstream.kernels import decoder_layer, int4_vnni
 from specstream.kernels import row_attention as ra
 
 needs_kernel = pytest.mark.skipif(ra.unavailable_reason() is not None, reason=f"{ra.unavailable_reason()}")
@@ -144,20 +144,34 @@ def gqa_pair(tmp_path_factory):
 
 
 @needs_kernel
-def test_the_targets_forwards_use_the_kernel_and_greedy_speculation_stays_exact(gqa_pair, monkeypatch):
+@pytest.mark.parametrize("layers", ["torch", pytest.param("cpp", marks=pytest.mark.skipif(
+    not decoder_layer.available(), reason=f"C++ decoder layer unavailable: {decoder_layer.unavailable_reason()}"))])
+def test_the_targets_forwards_use_the_kernel_and_greedy_speculation_stays_exact(gqa_pair, monkeypatch, layers):
     """At int4 (bf16 activations) every target forward of a speculative run, prefill chunks and 21-node tree
-    verifications, goes through the kernel, and the outputs equal plain decoding token for token."""
+    verifications, goes through the kernel, and the outputs equal plain decoding token for token: with the
+    PyTorch layers (the kernel called from Python) and with the C++ decoder layer (which calls it itself)."""
     from specstream.stages.speculative.drafters.model import TreeSpec
     from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
     from specstream.stages.speculative.models import llama
 
     calls = []
+    if layers == "torch":
+        monkeypatch.setenv("SPECSTREAM_DECODER_LAYER", "torch")
 
-    def spy(q, k, v, mask, key_pos, scale):
-        calls.append(q.shape[2])
-        return ra.row_attention(q, k, v, mask, key_pos, scale)
+        def spy(q, k, v, mask, key_pos, scale):
+            calls.append(q.shape[2])
+            return ra.row_attention(q, k, v, mask, key_pos, scale)
 
-    monkeypatch.setattr(llama, "row_attention", spy)
+        monkeypatch.setattr(llama, "row_attention", spy)
+    else:
+        ext = decoder_layer.extension()
+
+        class Spy:
+            def decoder_layer(self, *args):
+                calls.append(args[3])  # T, the padded query rows of the forward
+                return ext.decoder_layer(*args)
+
+        monkeypatch.setattr(decoder_layer, "extension", Spy)
     target, draft = gqa_pair
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (3, 40, 9, 70)]

@@ -149,6 +149,8 @@ def test_packed_forward_runs_the_linears_on_real_tokens_only_with_the_same_logit
     output head see the 8 real tokens, not 15, and every real row's logits equal the padded forward's (to float32
     rounding at float32; bitwise at int4, whose kernels are row-invariant)."""
     model = load_decoder(tiny.target, dtype)  # int4: the VNNI kernel, or PyTorch's where it is missing
+    model._fused_args = False  # the PyTorch layers, whose modules the hooks see (the C++ layer's packed rows:
+    # tests/test_decoder_layer.py)
     lengths, t = [1, 5, 2], 5
     prompt = [11, 12, 13, 14]
     g = torch.Generator().manual_seed(3)

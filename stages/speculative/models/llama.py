@@ -269,6 +269,86 @@ class LlamaDecoder(nn.Module):
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._fused_args = None
+
+    #: per layer, the C++ layer's weight arguments (:meth:`fused_layer_args`); False: the layers do not fit
+    _fused_args: list[tuple] | bool | None = None
+
+    def fused_layer_args(self) -> list[tuple] | None:
+        """Per layer, the weight arguments of the C++ decoder layer (:mod:`specstream.kernels.decoder_layer`), or
+        None where it does not run these layers: it is unavailable here, or a layer is not int4 in the VNNI
+        layout with fused ``qkv``/``gate_up`` products and bfloat16 norms and biases. Decided once per model
+        (reset by :meth:`fuse_projections` and :meth:`tie_weights`).
+
+        Raises:
+            DecoderLayerUnavailable: ``SPECSTREAM_DECODER_LAYER=cpp`` and the C++ layer cannot run here.
+        """
+        if self._fused_args is None:
+            self._fused_args = self._fit_fused_layers() or False
+        return self._fused_args or None
+
+    def _fit_fused_layers(self) -> list[tuple] | None:
+        from specstream.kernels import decoder_layer
+        from specstream.kernels.quant import Int4Linear
+
+        cfg = self.config
+        if not ROW_INVARIANT_ATTENTION or cfg.head_dim % 16 or cfg.head_dim > 256 or self.device.type != "cpu":
+            return None
+        if not self.model.layers or not decoder_layer.available():
+            return None
+
+        def fits(lin) -> bool:
+            return (isinstance(lin, Int4Linear) and lin.layout == "vnni"
+                    and (lin.bias is None or lin.bias.dtype == torch.bfloat16))
+
+        args = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if not all(map(fits, linears)) or any(w.dtype != torch.bfloat16 for w in norms):
+                return None
+            bias = [None if lin.bias is None else lin.bias.contiguous() for lin in linears]
+            args.append((norms[0].detach().contiguous(), norms[1].detach().contiguous(),
+                         float(layer.input_layernorm.eps), linears[0].packed, bias[0], linears[1].packed, bias[1],
+                         linears[2].packed, bias[2], linears[3].packed, bias[3]))
+        return args
+
+    def _fused_forward(self, x: torch.Tensor, args: list[tuple], cos: torch.Tensor, sin: torch.Tensor,
+                       cache: KVCache, batch: ForwardBatch, key_len: int, mask: torch.Tensor,
+                       probs: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The layers as C++ calls (:mod:`specstream.kernels.decoder_layer`): ``x`` ``[B, T, hidden]`` or packed
+        ``[N, hidden]`` bfloat16, the result in the same layout; exported attention probabilities into ``probs``."""
+        from specstream.kernels import decoder_layer, int4_vnni
+
+        ext = decoder_layer.extension()
+        cfg = self.config
+        bsz, t = batch.input_ids.shape
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).contiguous()
+        rows = batch.pack if batch.pack is not None else torch.arange(bsz * t, device=x.device)
+        d = cfg.head_dim
+        cos, sin = cos.reshape(bsz * t, d).contiguous(), sin.reshape(bsz * t, d).contiguous()
+        reads = batch.read_slots
+        read_first, read_ids = (reads.start, batch.slots) if isinstance(reads, slice) else (-1, reads)
+        slots = batch.slots.to(torch.long).contiguous()
+        write_index = batch.write_index.to(torch.long).contiguous()
+        mask = mask.contiguous()
+        pos = batch.row_key_pos.contiguous()
+        scale = d**-0.5
+        prefetch = int4_vnni.prefetch_distance()
+        for i, layer_args in enumerate(args):
+            want = i in batch.attention_layers
+            ln1, ln2, eps, qkv, qkv_b, o, o_b, gu, gu_b, down, down_b = layer_args
+            x, q = ext.decoder_layer(x, rows, bsz, t, ln1, ln2, eps, qkv, qkv_b, o, o_b, gu, gu_b, down, down_b,
+                                     cfg.num_attention_heads, cfg.num_key_value_heads, d, cos, sin, cache.k[i],
+                                     cache.v[i], slots, write_index, read_ids, read_first, mask, pos, scale,
+                                     cache.sanitize, prefetch, want)
+            if want:  # the exported probabilities only; the output is the C++ layer's
+                keys, values = cache.read(i, reads, key_len)
+                _, probs[i] = tree_attention(q.float(), keys.float(), values.float(), batch.attn_bias_f32, scale,
+                                             return_probs=True)
+        return x.view(shape)
 
     def fuse_projections(self) -> int:
         """Replace each layer's quantized ``q``/``k``/``v`` projections by one ``qkv_proj`` and ``gate``/``up``
@@ -290,6 +370,7 @@ class LlamaDecoder(nn.Module):
                 mlp.gate_up_proj = fused
                 del mlp.gate_proj, mlp.up_proj
                 count += 1
+        self._fused_args = None
         return count
 
     #: activations and KV cache dtype when set by the loader (bfloat16 for int8/int4 weights)
@@ -354,6 +435,16 @@ class LlamaDecoder(nn.Module):
             mask[:, :, 0] |= ~mask.any(-1)
         batch.attn_bias = attention_bias(mask, x.dtype)
         batch.canonical = batch.row_key_pos = None  # this forward's own choice, below
+        fused = self.fused_layer_args() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
+        if fused is not None:
+            # every forward of this decoder (target and drafts alike) runs its layers in C++, with the
+            # row-invariant attention
+            batch.row_key_pos = cache.positions[batch.read_slots, :key_len]
+            batch.attn_bias_f32 = batch.attn_bias.float() if batch.attention_layers else None
+            cos, sin = self._rope(batch.position_ids, x.dtype)
+            probs: dict[int, torch.Tensor] = {}
+            x = self._fused_forward(x, fused, cos, sin, cache, batch, key_len, mask, probs)
+            return self._logits(x, batch, bsz, t), probs
         canonical = batch.row_invariant and x.dtype == torch.bfloat16 and ROW_INVARIANT_ATTENTION
         batch.attn_bias_f32 = (batch.attn_bias.float() if x.dtype == torch.bfloat16
                                and (batch.attention_layers or not canonical) else None)
@@ -371,12 +462,16 @@ class LlamaDecoder(nn.Module):
             x, p = layer(x, cos, sin, cache, batch, key_len, mask)
             if p is not None:
                 probs[layer.self_attn.layer] = p
+        return self._logits(x, batch, bsz, t), probs
+
+    def _logits(self, x: torch.Tensor, batch: ForwardBatch, bsz: int, t: int) -> torch.Tensor:
+        """Logits ``[B, R, V]`` float32 of the rows ``batch`` asks for, from the last layer's output."""
         if batch.pack is not None:
-            return self._packed_logits(x, batch, bsz, t), probs
+            return self._packed_logits(x, batch, bsz, t)
         if batch.logit_index is not None:
             x = torch.gather(x, 1, batch.logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
         x = self.model.norm(x)
-        return self.lm_head(x).float(), probs
+        return self.lm_head(x).float()
 
     def _packed_logits(self, x: torch.Tensor, batch: ForwardBatch, bsz: int, t: int) -> torch.Tensor:
         """Logits ``[B, R, V]`` float32 from the packed hidden states ``[N, hidden]``: the output head runs once

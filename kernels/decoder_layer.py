@@ -1,0 +1,90 @@
+"""A whole decoder layer as one C++ call for int4 weights on AVX-512 VNNI CPUs (``decoder_layer.cpp``).
+
+At int4 on a 2-core CPU a decode step of the 1.5B target spent about 45 ms in the int4 products and another
+10-15 ms in the roughly 50 small PyTorch operations per layer around them (norms, RoPE, cache writes, casts, SiLU,
+residual adds) and in their dispatch: a quarter of the step, and half of the 0.5B draft's. The C++ layer calls the
+same product (:mod:`specstream.kernels.int4_vnni`) and attention (:mod:`specstream.kernels.row_attention`) kernels
+and does the rest in plain loops, once per layer, as llama.cpp's fused graph does. It rounds to bfloat16 where the
+PyTorch layer rounds; the float32 sums of its norms and its SiLU's ``exp`` are its own, so the last bits may differ
+from the PyTorch layer's, and one process uses one of the two for every forward of a decoder (the choice is made
+once per process). It is row-invariant, like its kernels, so greedy speculative output equals plain decoding.
+
+``SPECSTREAM_DECODER_LAYER=auto|cpp|torch`` (default ``auto``: the C++ layer where the int4 VNNI kernel and the
+row-invariant attention both run, and the model fits it; ``cpp`` makes its absence an error,
+:class:`DecoderLayerUnavailable`; ``torch`` keeps the PyTorch layer). The C++ source is compiled once per machine
+(about 40 s, cached by ``torch.utils.cpp_extension``). ``tests/test_decoder_layer.py`` checks it against the
+PyTorch layer and for row invariance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import lru_cache
+from pathlib import Path
+
+from specstream.kernels import int4_vnni
+from specstream.kernels import row_attention as _row_attention
+
+_SOURCE = Path(__file__).with_name("decoder_layer.cpp")
+#: the sources it includes: PyTorch's build cache hashes the listed source only, so their hash names the build
+_INCLUDED = (_SOURCE, int4_vnni._SOURCE, Path(_row_attention.__file__).with_name("row_attention.cpp"))
+
+
+def _name() -> str:
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _INCLUDED)).hexdigest()[:12]
+    return f"specstream_decoder_layer_{digest}"
+
+
+class DecoderLayerUnavailable(RuntimeError):
+    """``SPECSTREAM_DECODER_LAYER=cpp`` was asked for and the C++ layer cannot run here (the message says why)."""
+
+
+def _choice() -> str:
+    choice = os.environ.get("SPECSTREAM_DECODER_LAYER", "auto").strip().lower()
+    if choice not in ("auto", "cpp", "torch"):
+        raise ValueError(f"SPECSTREAM_DECODER_LAYER={choice!r}: expected auto, cpp or torch")
+    return choice
+
+
+@lru_cache(maxsize=1)
+def _load():
+    """The compiled extension, or the reason it is not available (a str)."""
+    reason = int4_vnni.unavailable_reason() or _row_attention.unavailable_reason()
+    if reason is not None:
+        return reason
+    return int4_vnni.compile_extension(_name(), _SOURCE, int4_vnni._CFLAGS, int4_vnni.REQUIRED_FLAGS,
+                                       "fused int4 decoder layer")
+
+
+def unavailable_reason() -> str | None:
+    """Why the C++ layer will not be used (None when it will, for models that fit it)."""
+    if _choice() == "torch":
+        return "SPECSTREAM_DECODER_LAYER=torch"
+    ext = _load()
+    return ext if isinstance(ext, str) else None
+
+
+def available() -> bool:
+    """True when decoders whose layers fit (:meth:`LlamaDecoder.fused_layer_args`) run them in C++.
+
+    Raises:
+        DecoderLayerUnavailable: ``SPECSTREAM_DECODER_LAYER=cpp`` and the C++ layer cannot run here.
+        ValueError: an unknown ``SPECSTREAM_DECODER_LAYER``.
+    """
+    reason = unavailable_reason()
+    if reason is not None and _choice() == "cpp":
+        raise DecoderLayerUnavailable(f"SPECSTREAM_DECODER_LAYER=cpp, but {reason}")
+    return reason is None
+
+
+def extension():
+    """The compiled module (``decoder_layer(...)``; argument list in ``decoder_layer.cpp``).
+
+    Raises:
+        DecoderLayerUnavailable: it cannot run here (:func:`unavailable_reason`).
+    """
+    ext = _load()
+    if isinstance(ext, str):
+        raise DecoderLayerUnavailable(ext)
+    return ext
