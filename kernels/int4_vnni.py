@@ -180,7 +180,7 @@ def available() -> bool:
 
 def supports(out_features: int, in_features: int, group_size: int, device: torch.device | str) -> bool:
     """True when a ``[out_features, in_features]`` int4 weight in groups of ``group_size`` goes to this kernel.
-    The first True of a process also settles its prefetch distance (:func:`prefetch_distance`): timed at load,
+    The first True of a process also settles its prefetch distances (:func:`prefetch_distance`): timed at load,
     not in the first request, and a bad ``SPECSTREAM_INT4_PREFETCH`` fails the load.
 
     Raises:
@@ -189,7 +189,8 @@ def supports(out_features: int, in_features: int, group_size: int, device: torch
     ok = (torch.device(device).type == "cpu" and group_size == GROUP and out_features % LANES == 0
           and in_features % GROUP == 0 and available())
     if ok:
-        prefetch_distance()
+        prefetch_distance(1)
+        prefetch_distance(MANY_ROWS)
     return ok
 
 
@@ -247,41 +248,58 @@ def mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     ext = _load()
     if isinstance(ext, str):
         raise Int4KernelUnavailable(ext)
-    return ext.int4_mm(x, packed, prefetch_distance())
+    return ext.int4_mm(x, packed, prefetch_distance(x.shape[0]))
 
 
 #: the software prefetch distances the kernel is built with (groups ahead; 0: the hardware prefetcher alone)
 PREFETCH_DISTANCES = (0, 8)
+#: products of at least this many rows are "many rows" for the prefetch choice (:func:`prefetch_distance`)
+MANY_ROWS = 3
+#: the row count each class is timed at: one decoded token; a chain verification
+_TIMED_ROWS = {1: 1, MANY_ROWS: 5}
 
 
-@lru_cache(maxsize=1)
-def prefetch_distance() -> int:
-    """The kernel's software prefetch distance for this process: ``SPECSTREAM_INT4_PREFETCH`` (0 or 8), or by
-    default the faster of the two on this CPU, timed once (:func:`time_prefetch`, about 0.1 s). The choice changes
-    no result bit, only how the weights stream from memory (on this project's 2-core AMD EPYC, no software prefetch was
-    4-10 % faster for one row).
+def prefetch_distance(rows: int = 1) -> int:
+    """The kernel's software prefetch distance for a product of ``rows`` activation rows in this process:
+    ``SPECSTREAM_INT4_PREFETCH`` (0 or 8) for every product when set, or by default the faster of the two on this
+    CPU for the row count's class, one row or :data:`MANY_ROWS` and more, each timed once (:func:`time_prefetch`,
+    about 0.1 s). The choice changes no result bit, only how the weights stream from memory: on this project's
+    2-core AMD EPYC no software prefetch was 4-10 % faster for one row, and prefetching 8 groups ahead 1.5x faster
+    for 5 rows (the products' compute then hides the hardware prefetcher's stream).
 
     Raises:
         ValueError: ``SPECSTREAM_INT4_PREFETCH`` is set to something else.
     """
+    return _prefetch_for(1 if rows < MANY_ROWS else MANY_ROWS)
+
+
+@lru_cache(maxsize=2)
+def _prefetch_for(rows_class: int) -> int:
     env = os.environ.get("SPECSTREAM_INT4_PREFETCH", "auto").strip().lower()
     if env != "auto":
         if env not in {str(d) for d in PREFETCH_DISTANCES}:
             raise ValueError(f"SPECSTREAM_INT4_PREFETCH={env!r}: expected auto, "
                              f"{' or '.join(map(str, PREFETCH_DISTANCES))}")
         return int(env)
-    times = time_prefetch()
+    times = time_prefetch(rows=_TIMED_ROWS[rows_class])
     best = min(times, key=times.get)
-    log.info("int4 kernel: software prefetch distance %d (seconds per pass: %s)", best,
+    log.info("int4 kernel: software prefetch distance %d for %s (seconds per pass: %s)", best,
+             "one row" if rows_class == 1 else f"{MANY_ROWS} rows or more",
              ", ".join(f"{d}: {t:.4f}" for d, t in sorted(times.items())))
     return best
 
 
-def time_prefetch(channels: int = 8192, in_features: int = 1536, copies: int = 12, rounds: int = 3
+def reset_prefetch_choice() -> None:
+    """Forget the timed or configured distances (the next product decides again; tests)."""
+    _prefetch_for.cache_clear()
+
+
+def time_prefetch(channels: int = 8192, in_features: int = 1536, copies: int = 12, rounds: int = 3, rows: int = 1
                   ) -> dict[int, float]:
-    """Seconds per pass of one row through ``copies`` weights of ``[channels, in_features]`` (together larger
-    than the last-level cache, so they stream from memory as a decode step's do), for each prefetch distance,
-    the distances alternated over ``rounds`` (the best round of each). Random codes: only the time matters."""
+    """Seconds per pass of ``rows`` activation rows through ``copies`` weights of ``[channels, in_features]``
+    (together larger than the last-level cache, so they stream from memory as a decode step's do), for each
+    prefetch distance, the distances alternated over ``rounds`` (the best round of each). Random codes: only the
+    time matters."""
     ext = _load()
     if isinstance(ext, str):
         raise Int4KernelUnavailable(ext)
@@ -290,7 +308,7 @@ def time_prefetch(channels: int = 8192, in_features: int = 1536, copies: int = 1
     for w in weights:  # finite bfloat16 scales and zeros (1.0, 0.0)
         w[:, :, 256:288].view(torch.bfloat16).fill_(1.0)
         w[:, :, 288:].view(torch.bfloat16).zero_()
-    x = torch.linspace(-1.0, 1.0, in_features).to(torch.bfloat16)[None]
+    x = torch.linspace(-1.0, 1.0, in_features).to(torch.bfloat16)[None].repeat(rows, 1)
     best = {d: float("inf") for d in PREFETCH_DISTANCES}
     for r in range(rounds):
         for d in (PREFETCH_DISTANCES if r % 2 == 0 else PREFETCH_DISTANCES[::-1]):

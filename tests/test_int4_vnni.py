@@ -204,16 +204,25 @@ def test_prefetch_distances_give_the_same_bits_and_the_choice_is_timed_or_set(mo
         ext.int4_mm(_activations(1, 1536), packed, 3)
     times = int4_vnni.time_prefetch(channels=1024, copies=2, rounds=2)
     assert set(times) == set(int4_vnni.PREFETCH_DISTANCES) and all(0 < t < 10 for t in times.values())
+    assert set(int4_vnni.time_prefetch(channels=1024, copies=2, rounds=1, rows=5)) == set(times)
     for env, want in (("0", 0), ("8", 8)):
         monkeypatch.setenv("SPECSTREAM_INT4_PREFETCH", env)
-        int4_vnni.prefetch_distance.cache_clear()
-        assert int4_vnni.prefetch_distance() == want
+        int4_vnni.reset_prefetch_choice()
+        assert int4_vnni.prefetch_distance(1) == want and int4_vnni.prefetch_distance(21) == want
     monkeypatch.setenv("SPECSTREAM_INT4_PREFETCH", "4")
-    int4_vnni.prefetch_distance.cache_clear()
+    int4_vnni.reset_prefetch_choice()
     with pytest.raises(ValueError, match="SPECSTREAM_INT4_PREFETCH='4'"):
         int4_vnni.prefetch_distance()
+    # auto: one row and many rows each take the faster distance at their own row count
     monkeypatch.setenv("SPECSTREAM_INT4_PREFETCH", "auto")
-    monkeypatch.setattr(int4_vnni, "time_prefetch", lambda: {0: 0.5, 8: 0.7})
-    int4_vnni.prefetch_distance.cache_clear()
-    assert int4_vnni.prefetch_distance() == 0
-    int4_vnni.prefetch_distance.cache_clear()
+    timed = []
+
+    def fake(rows=1, **_):
+        timed.append(rows)
+        return {0: 0.5, 8: 0.7} if rows == 1 else {0: 0.9, 8: 0.6}
+
+    monkeypatch.setattr(int4_vnni, "time_prefetch", fake)
+    int4_vnni.reset_prefetch_choice()
+    assert [int4_vnni.prefetch_distance(m) for m in (1, 2, 3, 5, 21, 1)] == [0, 0, 8, 8, 8, 0]
+    assert timed == [1, 5]  # each class timed once
+    int4_vnni.reset_prefetch_choice()

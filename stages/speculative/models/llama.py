@@ -336,7 +336,7 @@ class LlamaDecoder(nn.Module):
         mask = mask.contiguous()
         pos = batch.row_key_pos.contiguous()
         scale = d**-0.5
-        prefetch = int4_vnni.prefetch_distance()
+        prefetch = int4_vnni.prefetch_distance(x.shape[0])  # every product of the forward has x's rows
         for i, layer_args in enumerate(args):
             want = i in batch.attention_layers
             ln1, ln2, eps, qkv, qkv_b, o, o_b, gu, gu_b, down, down_b = layer_args
