@@ -57,6 +57,16 @@ def _load():
                                        "fused int4 decoder layer")
 
 
+def cpu_supported() -> bool:
+    """Whether this machine can run the C++ layer at all (an x86-64 CPU with the int4 kernel's flags, and no
+    environment switch against it or its kernels), decided without compiling anything."""
+    import platform
+
+    if _choice() == "torch" or int4_vnni._choice() == "torch" or _row_attention._choice() == "torch":
+        return False
+    return platform.machine() in ("x86_64", "AMD64") and int4_vnni.REQUIRED_FLAGS <= int4_vnni.cpu_flags()
+
+
 def unavailable_reason() -> str | None:
     """Why the C++ layer will not be used (None when it will, for models that fit it)."""
     if _choice() == "torch":

@@ -145,7 +145,7 @@ def gqa_pair(tmp_path_factory):
 
 @needs_kernel
 @pytest.mark.parametrize("layers", ["torch", pytest.param("cpp", marks=pytest.mark.skipif(
-    not decoder_layer.available(), reason=f"C++ decoder layer unavailable: {decoder_layer.unavailable_reason()}"))])
+    not decoder_layer.cpu_supported(), reason="no AVX-512 VNNI x86-64 CPU here"))])
 def test_the_targets_forwards_use_the_kernel_and_greedy_speculation_stays_exact(gqa_pair, monkeypatch, layers):
     """At int4 (bf16 activations) every target forward of a speculative run, prefill chunks and 21-node tree
     verifications, goes through the kernel, and the outputs equal plain decoding token for token: with the
