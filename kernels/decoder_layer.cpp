@@ -114,6 +114,9 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
   check(D % 2 == 0 && Hq % Hkv == 0, "head sizes");
   for (const auto* b : {&qkv_b, &o_b, &gu_b, &down_b})
     check(!b->has_value() || ((*b)->scalar_type() == bf && (*b)->is_contiguous()), "biases must be bf16");
+  check(!qkv_b || qkv_b->numel() == F, "the q/k/v bias must have (Hq + 2 Hkv) * D entries");
+  check(!o_b || o_b->numel() == H, "the output bias must have H entries");
+  check(!down_b || down_b->numel() == H, "the down bias must have H entries");
   const int64_t S = mask.size(-1);
 
   // 1. attention input norm, the fused q/k/v product
@@ -199,6 +202,7 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
            static_cast<bf16*>(h.data_ptr()));
   auto gu = int4::int4_mm(h, gu_w, prefetch);
   const int64_t I = gu.size(1) / 2;
+  check(!gu_b || gu_b->numel() == 2 * I, "the gate/up bias must match the gate/up product");
   if (gu_b) add_bias(static_cast<bf16*>(gu.data_ptr()), static_cast<const bf16*>(gu_b->data_ptr()), N, 2 * I);
   auto act = torch::empty({N, I}, x.options());
   const bf16* gup = static_cast<const bf16*>(gu.data_ptr());
@@ -222,7 +226,9 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
 }  // namespace layer
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decoder_layer", &layer::decoder_layer, "one int4 decoder layer (see decoder_layer.cpp)");
+  // the layer touches no Python object: other Python threads (the server's event loop) run meanwhile
+  m.def("decoder_layer", &layer::decoder_layer, "one int4 decoder layer (see decoder_layer.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_mm", &int4::int4_mm, "the int4 product of int4_vnni.cpp", pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("prefetch") = int4::kPrefetchGroups);
 }

@@ -49,10 +49,7 @@ def _choice() -> str:
 
 @lru_cache(maxsize=1)
 def _load():
-    """The compiled extension, or the reason it is not available (a str)."""
-    reason = int4_vnni.unavailable_reason() or _row_attention.unavailable_reason()
-    if reason is not None:
-        return reason
+    """The compiled extension, or the reason it cannot be built here (a str)."""
     return int4_vnni.compile_extension(_name(), _SOURCE, int4_vnni._CFLAGS, int4_vnni.REQUIRED_FLAGS,
                                        "fused int4 decoder layer")
 
@@ -68,9 +65,14 @@ def cpu_supported() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    """Why the C++ layer will not be used (None when it will, for models that fit it)."""
+    """Why the C++ layer will not be used (None when it will, for models that fit it). The environment switches
+    (this one, ``SPECSTREAM_INT4_KERNEL`` and ``SPECSTREAM_ROW_ATTENTION``) are read on every call; the build
+    is tried once per process."""
     if _choice() == "torch":
         return "SPECSTREAM_DECODER_LAYER=torch"
+    reason = int4_vnni.unavailable_reason() or _row_attention.unavailable_reason()
+    if reason is not None:
+        return reason
     ext = _load()
     return ext if isinstance(ext, str) else None
 
@@ -94,7 +96,7 @@ def extension():
     Raises:
         DecoderLayerUnavailable: it cannot run here (:func:`unavailable_reason`).
     """
-    ext = _load()
-    if isinstance(ext, str):
-        raise DecoderLayerUnavailable(ext)
-    return ext
+    reason = unavailable_reason()
+    if reason is not None:
+        raise DecoderLayerUnavailable(reason)
+    return _load()

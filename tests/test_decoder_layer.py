@@ -75,13 +75,15 @@ def test_cpp_layer_is_row_invariant_bit_for_bit(tiny):
     pos = torch.tensor([[4, 5, 6], [9, 10, 11]])
     cols = torch.tensor([[4, 5, 6], [9, fresh.scratch, fresh.scratch]])
     mask = build_tree_mask(torch.tensor(starts), [torch.ones(t, t, dtype=torch.bool).tril()] * 2, 12, t)
+    fresh.k[:, 1, :, fresh.scratch] = 1.0  # so that the padding rows' zero writes show
+    fresh.v[:, 1, :, fresh.scratch] = 1.0
     batch = ForwardBatch(torch.tensor([2, 1]), ids, pos, cols, mask, slot_list=[2, 1], row_invariant=True,
                          row_lengths=lengths)
     logits = model.forward_batch(fresh, batch)[0]
     assert torch.equal(logits[0], whole[4:7])
     assert torch.equal(logits[1, 0], whole[9])
     # the packed forward wrote zeros to the scratch column for the padding, as the padded layout does
-    assert not fresh.k[:, 1, :, fresh.scratch].any()
+    assert not fresh.k[:, 1, :, fresh.scratch].any() and not fresh.v[:, 1, :, fresh.scratch].any()
 
 
 def test_cpp_layer_sanitizes_a_draft_cache_as_nan_to_num(tiny):

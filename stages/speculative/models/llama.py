@@ -294,7 +294,7 @@ class LlamaDecoder(nn.Module):
         cfg = self.config
         if not ROW_INVARIANT_ATTENTION or cfg.head_dim % 16 or cfg.head_dim > 256 or self.device.type != "cpu":
             return None
-        if not self.model.layers or not decoder_layer.available():
+        if not self.model.layers:
             return None
 
         def fits(lin) -> bool:
@@ -312,7 +312,8 @@ class LlamaDecoder(nn.Module):
             args.append((norms[0].detach().contiguous(), norms[1].detach().contiguous(),
                          float(layer.input_layernorm.eps), linears[0].packed, bias[0], linears[1].packed, bias[1],
                          linears[2].packed, bias[2], linears[3].packed, bias[3]))
-        return args
+        # last: the layers fit, so building the extension (the first time on a machine) is worth it
+        return args if decoder_layer.available() else None
 
     def _fused_forward(self, x: torch.Tensor, args: list[tuple], cos: torch.Tensor, sin: torch.Tensor,
                        cache: KVCache, batch: ForwardBatch, key_len: int, mask: torch.Tensor,

@@ -142,6 +142,8 @@ def load_decoder(
         from specstream.kernels.linear import pack_linears
 
         pack_linears(model)  # CPU: oneDNN pre-packed weights (small-batch products without repacking)
+    else:
+        model.fused_layer_args()  # decide (and build, the first time on a machine) the C++ layers at load
     return model
 
 
