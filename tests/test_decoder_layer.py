@@ -128,5 +128,10 @@ def test_the_switch_and_its_errors(tiny, monkeypatch):
         decoder_layer.available()
     monkeypatch.setenv("SPECSTREAM_DECODER_LAYER", "cpp")
     assert decoder_layer.available()
+    # asked for, but one of its kernels is switched off: an error naming why, not a silent PyTorch layer
+    monkeypatch.setenv("SPECSTREAM_INT4_KERNEL", "torch")
+    with pytest.raises(decoder_layer.DecoderLayerUnavailable, match="SPECSTREAM_INT4_KERNEL=torch"):
+        decoder_layer.available()
+    monkeypatch.delenv("SPECSTREAM_INT4_KERNEL")
     # float weights never take the C++ layer
     assert load_decoder(tiny.target, "bfloat16").fused_layer_args() is None
