@@ -57,6 +57,29 @@ def test_cpp_layer_gives_the_pytorch_layers_logits(tiny, which):
     assert torch.equal(out["cpp"].argmax(-1), out["torch"].argmax(-1))
 
 
+def test_cpp_layer_gives_the_pytorch_layers_logits_for_a_packed_batch_read_by_gather(tiny):
+    """Two slots in reverse order (the cache is read by an index tensor, not a slice) with ragged rows (packed):
+    the C++ layers' logits against the PyTorch layers' of the same batch."""
+    out = {}
+    for name, fused in (("cpp", True), ("torch", False)):
+        model = _model(tiny.qwen, fused)
+        cache = model.new_cache(2, 64)
+        _forward(model, cache, 0, PROMPT[:5], 0)
+        _forward(model, cache, 1, PROMPT[:8], 0)
+        t = 3
+        ids = torch.tensor([[PROMPT[8], PROMPT[9], 0], PROMPT[5:8]])
+        pos = torch.tensor([[8, 9, 10], [5, 6, 7]])
+        cols = torch.tensor([[8, 9, cache.scratch], [5, 6, 7]])
+        mask = build_tree_mask(torch.tensor([8, 5]), [torch.ones(t, t, dtype=torch.bool).tril()] * 2, 11, t)
+        batch = ForwardBatch(torch.tensor([1, 0]), ids, pos, cols, mask, slot_list=[1, 0], row_invariant=True,
+                             row_lengths=[2, 3])
+        logits = model.forward_batch(cache, batch)[0]
+        out[name] = torch.cat([logits[0, :2], logits[1]])
+    assert (out["cpp"] == out["torch"]).float().mean().item() > 0.9
+    torch.testing.assert_close(out["cpp"], out["torch"], rtol=0.02, atol=0.05)
+    assert torch.equal(out["cpp"].argmax(-1), out["torch"].argmax(-1))
+
+
 def test_cpp_layer_is_row_invariant_bit_for_bit(tiny):
     """A prompt in one forward, one token at a time, and as a ragged packed batch beside other rows: every token's
     logits are the same bits (the target's tree rows equal plain decoding's)."""
@@ -95,14 +118,20 @@ def test_cpp_layer_sanitizes_a_draft_cache_as_nan_to_num(tiny):
         qkv = model.model.layers[0].self_attn.qkv_proj
         hq = model.config.num_attention_heads * model.config.head_dim
         qkv.bias.data[hq + 3] = float("nan")  # key head 0, channel 3
+        qkv.bias.data[hq + 4] = float("inf")  # channel 4 (RoPE keeps it infinite or makes it NaN)
+        hv = hq + model.config.num_key_value_heads * model.config.head_dim
+        qkv.bias.data[hv + 5] = float("-inf")  # value head 0, channel 5
         model._fused_args = None if fused else False
         cache = model.new_cache(1, 32)
         cache.sanitize = True
         _forward(model, cache, 0, PROMPT, 0, row_invariant=False)
-        caches[name] = cache.k[0, 0, 0, : len(PROMPT)].clone()
-    assert torch.isfinite(caches["cpp"]).all()
-    assert not caches["cpp"][:, 3].any()
-    assert torch.equal(caches["cpp"][:, 3], caches["torch"][:, 3])
+        caches[name] = (cache.k[0, 0, 0, : len(PROMPT)].clone(), cache.v[0, 0, 0, : len(PROMPT)].clone())
+    (k, v), (k_ref, v_ref) = caches["cpp"], caches["torch"]
+    assert torch.isfinite(k).all() and torch.isfinite(v).all()
+    assert not k[:, 3].any()
+    lowest = torch.finfo(torch.bfloat16).min
+    assert (v[:, 5] == lowest).all()  # -inf -> the lowest finite bfloat16, as nan_to_num
+    assert torch.equal(k[:, 3:5], k_ref[:, 3:5]) and torch.equal(v[:, 5], v_ref[:, 5])
 
 
 def test_cpp_layer_exports_attention_probabilities(tiny):
