@@ -52,6 +52,11 @@ class AdaptiveBudget:
     misses: float = 0.0
     #: what is left in ``hits`` of its initial optimistic 1.0 (decays with every observed step)
     prior: float = 1.0
+    #: the deepest tree the request's own evidence supports, in draft levels (a slow start, as TCP's): twice the
+    #: longest run of levels it has had accepted in one step, and ``initial_ramp`` before that. The step gate
+    #: never grants the request a deeper tree: one accepted level measures an acceptance of 1.0, which alone would
+    #: justify a 16-level tree (16 draft forwards) on the next step.
+    ramp: int = 4
 
     def observe(self, num_accepted: int, proposed: int, depth: int | None = None) -> None:
         """Book one verification step: ``num_accepted`` draft tokens accepted out of a ``proposed``-node tree
@@ -65,6 +70,7 @@ class AdaptiveBudget:
         self.prior *= self.decay
         self.misses = self.decay * self.misses + (1 - self.decay) * (1.0 if num_accepted < depth else 0.0)
         self.steps_off = 0
+        self.ramp = max(self.ramp, 2 * num_accepted)
 
     @property
     def alpha(self) -> float:

@@ -291,3 +291,49 @@ def test_bench_batch_sweep_smoke(tmp_path):
     assert all(r["identical"] for r in recs)
     assert all(r["vs_no_spec"] == 1.0 for r in recs if r["config"] == "ours/no-spec")
     assert all("gate" in r for r in recs if r["config"] in ("ours/adaptive", "ours/replay-c0.1"))
+
+
+def test_budget_ramp_doubles_with_accepted_runs():
+    """``AdaptiveBudget.ramp``: 4 levels before any evidence; twice the longest run of accepted levels after."""
+    from specstream.schedulers.budget import AdaptiveBudget
+
+    b = AdaptiveBudget(full_nodes=17)
+    assert b.ramp == 4
+    b.observe(1, 2, 1)  # the warm-up's one level, accepted: still 4, not the 16 an acceptance of 1.0 would allow
+    assert b.ramp == 4
+    b.observe(4, 5, 4)
+    assert b.ramp == 8
+    b.observe(2, 9, 8)  # a rejection never lowers it
+    assert b.ramp == 8
+    b.observe(8, 9, 8)
+    assert b.ramp == 16
+
+
+def test_live_gate_grows_deep_trees_from_evidence_and_skips_the_prompt_read_as_first_cost(tiny, hf_target):
+    """A draft identical to the target with a 16-level chain. The step after the warm-up may draft 4 levels
+    (its acceptance of 1.0 rests on one level), then 8, then 16, and the output equals Hugging Face greedy.
+    The warm-up step, whose draft read the whole prompt, is not the first measurement of a draft level's cost,
+    so the gate warms up once more, on a step that reads only what the step before committed."""
+    from conftest import hf_greedy
+
+    prompt = _prompts(1)[0] + list(range(3, 40))  # a long prompt: its read is one-off
+    eng = _live_engine(tiny, ["same"], tree=",".join(["1"] * 16))
+    ex = eng.executor
+    asked, warmups = [], []
+    decide, warmup = ex.gate.decide, ex.gate.warmup
+
+    def spy_decide(rows, *args, **kwargs):
+        asked.append(max(m for _, m, _ in rows))
+        return decide(rows, *args, **kwargs)
+
+    def spy_warmup(rows, *args, **kwargs):
+        warmups.append(ex._level_s)
+        return warmup(rows, *args, **kwargs)
+
+    ex.gate.decide, ex.gate.warmup = spy_decide, spy_warmup
+    out = eng.generate([prompt], 60)[0].output_ids
+    assert out == hf_greedy(hf_target, prompt, 60)
+    assert asked and asked[0] <= 4, asked  # the first decision after the warm-up: 4 levels at most, not 16
+    assert max(asked) == 16 and asked.index(16) > asked.index(8) > 0, asked
+    assert len(warmups) >= 2 and warmups[:2] == [None, None]  # the prompt-reading step measured nothing
+    assert ex._level_s is not None

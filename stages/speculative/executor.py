@@ -466,6 +466,9 @@ class SpeculativeExecutor:
         if self.gate is None or not (self.adaptive and self.cost_aware and self.drafters and decodes):
             return decodes
         states = [self.states[w.request_id] for w in decodes]
+        # no deeper than the request's evidence supports (``AdaptiveBudget.ramp``)
+        decodes = tuple(dataclasses.replace(w, max_depth=st.budget.ramp) if w.max_depth > st.budget.ramp else w
+                        for w, st in zip(decodes, states))
         lags = [[d.lag(w.slot, len(st.draft_context)) for d in self.drafters] for w, st in zip(decodes, states)]
         alphas = self.gate.row_alphas([st.budget.measured_alpha for st in states])
         rows = [(w.node_budget, w.max_depth, a) for w, a in zip(decodes, alphas)]
@@ -540,7 +543,11 @@ class SpeculativeExecutor:
                 rows.append(_Row(st, work, work.slot, self.cache.lengths[work.slot], tree.tokens, tree, j))
         results = self._run_rows(rows, compiled, forks)
         verify_s = time.perf_counter() - t_verify
-        if drafted and verify_s > 0 and self.cost_aware:
+        # a step whose draft read a prompt is a poor first measurement of a steady step's draft cost: the time of
+        # a many-token forward does not split pro rata by tokens (the first level's cost came out at 4 ms or 74
+        # ms, against 17 ms measured in steady steps); later such steps are averaged in with the rest
+        first_one_off = self._level_s is None and any(d.catch_up_was_one_off() for d in self._ran)
+        if drafted and verify_s > 0 and self.cost_aware and not first_one_off:
             ratio = draft_s / verify_s
             self.cost_ratio = ratio if self.cost_ratio is None else 0.8 * self.cost_ratio + 0.2 * ratio
             # one-off catch-up reads (a prompt, tokens of steps without drafts) are not a cost per level

@@ -88,6 +88,12 @@ class Drafter(abc.ABC):
         """Measured seconds per token of this drafter's catch-up reads (None: not measured yet, or no cache)."""
         return None
 
+    def catch_up_was_one_off(self) -> bool:
+        """Whether the last :meth:`propose` read mostly one-off committed tokens (a prompt): its time then says
+        little about a steady step's, and the executor does not take it as its first draft-cost measurement.
+        False for drafters without a cache."""
+        return False
+
     def catch_up_excess_s(self) -> float:
         """Seconds of the last :meth:`propose` spent reading committed tokens beyond what a step that also
         drafted the step before reads (a prompt, or the tokens of steps without drafts); the executor leaves them

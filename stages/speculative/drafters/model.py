@@ -139,6 +139,7 @@ class ModelDrafter(Drafter):
         self.catch_up_tokens = 0
         self._pending: list[tuple[int, int, list[int]]] = []  # KV commits of this step: (slot, base, columns)
         self._excess_s = 0.0  # the last catch-up's seconds spent on tokens beyond a steady step's
+        self._one_off = False  # the last catch-up read mostly one-off tokens (a prompt)
         self._token_s: float | None = None  # seconds per token of long catch-up reads (EMA)
 
     # -- forwards ------------------------------------------------------------------------------------------
@@ -166,9 +167,14 @@ class ModelDrafter(Drafter):
         of each request's last row (the root, or the forced chain's end)."""
         t0 = time.perf_counter()
         ids, pos, slots, starts = [], [], [], []
-        steady = 0  # what a step that follows a drafted step reads: its committed tokens, forced ones included
+        # what a step that follows a drafted step reads: at most what that step's tree could commit (its depth
+        # and the bonus token; one token before the request's first tree), forced tokens included. Not the
+        # configured depth: a 20-level chain's first read of a 49-token prompt then counted 21 tokens as
+        # steady, and 76 ms of the prompt's read went into the measured cost of one draft level (17 ms)
+        steady = 0
         for inp in inputs:
-            steady += self.tree_spec.depth + 1 + inp.state.get("forced", 0)
+            last = inp.state.get("tree")
+            steady += (last.max_depth + 1 if last is not None else 1) + inp.state.get("forced", 0)
             inp.state["forced"] = len(inp.forced)
             cached = self.cache.lengths[inp.slot]
             if cached > len(inp.context) - 1:
@@ -198,7 +204,8 @@ class ModelDrafter(Drafter):
         # is a one-off (a prompt, tokens committed while drafting was off), charged pro rata
         elapsed = (time.perf_counter() - t0) * fed / max(1, fed + n_forced)  # the committed tokens' share
         self._excess_s = elapsed * max(0, fed - steady) / fed if fed else 0.0
-        if fed >= max(16, 2 * steady):  # a read of mostly one-off tokens: its seconds per token
+        self._one_off = fed >= max(16, 2 * steady)
+        if self._one_off:  # a read of mostly one-off tokens: its seconds per token
             token_s = elapsed / fed
             self._token_s = token_s if self._token_s is None else 0.7 * self._token_s + 0.3 * token_s
         return logits
@@ -214,6 +221,9 @@ class ModelDrafter(Drafter):
 
     def catch_up_excess_s(self) -> float:
         return self._excess_s
+
+    def catch_up_was_one_off(self) -> bool:
+        return self._one_off
 
     # -- choosing children on the device -------------------------------------------------------------------
     def _q(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
