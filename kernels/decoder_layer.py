@@ -1,8 +1,8 @@
 """A whole decoder layer as one C++ call for int4 weights on AVX-512 VNNI CPUs (``decoder_layer.cpp``).
 
-At int4 on a 2-core CPU a decode step of the 1.5B target spent about 45 ms in the int4 products and another
-10-15 ms in the roughly 50 small PyTorch operations per layer around them (norms, RoPE, cache writes, casts, SiLU,
-residual adds) and in their dispatch: a quarter of the step, and half of the 0.5B draft's. The C++ layer calls the
+At int4 on this project's 2-core AMD EPYC a decode step of the 1.5B target spent 49-65 ms in the int4 products
+and another 18-22 ms in the roughly 50 small PyTorch operations per layer around them (norms, RoPE, cache writes,
+casts, SiLU, residual adds) and in their dispatch (medians of 4 runs, ``docs/benchmarks.md``). The C++ layer calls the
 same product (:mod:`specstream.kernels.int4_vnni`) and attention (:mod:`specstream.kernels.row_attention`) kernels
 and does the rest in plain loops, once per layer, as llama.cpp's fused graph does. It rounds to bfloat16 where the
 PyTorch layer rounds; the float32 sums of its norms and its SiLU's ``exp`` are its own, so the last bits may differ
@@ -12,14 +12,13 @@ once per process). It is row-invariant, like its kernels, so greedy speculative 
 ``SPECSTREAM_DECODER_LAYER=auto|cpp|torch`` (default ``auto``: the C++ layer where the int4 VNNI kernel and the
 row-invariant attention both run, and the model fits it; ``cpp`` makes its absence an error,
 :class:`DecoderLayerUnavailable`; ``torch`` keeps the PyTorch layer). The C++ source is compiled once per machine
-(about 40 s, cached by ``torch.utils.cpp_extension``). ``tests/test_decoder_layer.py`` checks it against the
+(about 70 s on 2 cores, cached by ``torch.utils.cpp_extension``). ``tests/test_decoder_layer.py`` checks it against the
 PyTorch layer and for row invariance.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -41,10 +40,7 @@ class DecoderLayerUnavailable(RuntimeError):
 
 
 def _choice() -> str:
-    choice = os.environ.get("SPECSTREAM_DECODER_LAYER", "auto").strip().lower()
-    if choice not in ("auto", "cpp", "torch"):
-        raise ValueError(f"SPECSTREAM_DECODER_LAYER={choice!r}: expected auto, cpp or torch")
-    return choice
+    return int4_vnni.env_choice("SPECSTREAM_DECODER_LAYER", "cpp")
 
 
 @lru_cache(maxsize=1)
@@ -57,11 +53,9 @@ def _load():
 def cpu_supported() -> bool:
     """Whether this machine can run the C++ layer at all (an x86-64 CPU with the int4 kernel's flags, and no
     environment switch against it or its kernels), decided without compiling anything."""
-    import platform
-
     if _choice() == "torch" or int4_vnni._choice() == "torch" or _row_attention._choice() == "torch":
         return False
-    return platform.machine() in ("x86_64", "AMD64") and int4_vnni.REQUIRED_FLAGS <= int4_vnni.cpu_flags()
+    return int4_vnni.cpu_reason(int4_vnni.REQUIRED_FLAGS) is None
 
 
 def unavailable_reason() -> str | None:

@@ -52,11 +52,21 @@ class Int4KernelUnavailable(RuntimeError):
     """``SPECSTREAM_INT4_KERNEL=vnni`` was asked for and the kernel cannot run here (the message says why)."""
 
 
-def _choice() -> str:
-    choice = os.environ.get("SPECSTREAM_INT4_KERNEL", "auto").strip().lower()
-    if choice not in ("auto", "vnni", "torch"):
-        raise ValueError(f"SPECSTREAM_INT4_KERNEL={choice!r}: expected auto, vnni or torch")
+def env_choice(variable: str, native: str) -> str:
+    """A kernel switch from the environment: ``auto`` (default), ``native`` (the C++ kernel or an error) or
+    ``torch`` (PyTorch's operations).
+
+    Raises:
+        ValueError: ``variable`` holds something else.
+    """
+    choice = os.environ.get(variable, "auto").strip().lower()
+    if choice not in ("auto", native, "torch"):
+        raise ValueError(f"{variable}={choice!r}: expected auto, {native} or torch")
     return choice
+
+
+def _choice() -> str:
+    return env_choice("SPECSTREAM_INT4_KERNEL", "vnni")
 
 
 def cpu_flags() -> frozenset[str]:
@@ -116,15 +126,21 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
+def cpu_reason(required_flags: frozenset[str]) -> str | None:
+    """Why this CPU cannot run a kernel needing ``required_flags`` (not x86-64, or flags missing); None if it can."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    missing = required_flags - cpu_flags()
+    return f"the CPU lacks {', '.join(sorted(missing))}" if missing else None
+
+
 def compile_extension(name: str, source: Path, cflags: list[str], required_flags: frozenset[str], what: str):
     """Build (once per machine, cached by ``torch.utils.cpp_extension``) and import the C++ extension ``name``
     from ``source``; returns the module, or the reason it cannot run here (a str): not an x86-64 CPU, a CPU
     without ``required_flags``, or a failed build (a missing compiler or ninja). ``what`` names it in the log."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return f"not an x86-64 CPU ({platform.machine()})"
-    missing = required_flags - cpu_flags()
-    if missing:
-        return f"the CPU lacks {', '.join(sorted(missing))}"
+    reason = cpu_reason(required_flags)
+    if reason is not None:
+        return reason
     try:
         quiet = logging.getLogger("torch.utils.cpp_extension")  # its "No CUDA runtime is found" warning on import
         level = quiet.level

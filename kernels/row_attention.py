@@ -21,13 +21,12 @@ or a CPU without AVX-512); ``cpp`` makes its absence an error (:class:`RowAttent
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from specstream.kernels.int4_vnni import compile_extension
+from specstream.kernels.int4_vnni import compile_extension, env_choice
 
 REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
@@ -40,10 +39,7 @@ class RowAttentionUnavailable(RuntimeError):
 
 
 def _choice() -> str:
-    choice = os.environ.get("SPECSTREAM_ROW_ATTENTION", "auto").strip().lower()
-    if choice not in ("auto", "cpp", "torch"):
-        raise ValueError(f"SPECSTREAM_ROW_ATTENTION={choice!r}: expected auto, cpp or torch")
-    return choice
+    return env_choice("SPECSTREAM_ROW_ATTENTION", "cpp")
 
 
 @lru_cache(maxsize=1)
