@@ -434,18 +434,21 @@ class LlamaDecoder(nn.Module):
             window = (batch.position_ids[:, :, None] - key_pos[:, None, :]) < self.config.sliding_window
             mask = mask & window
             mask[:, :, 0] |= ~mask.any(-1)
-        batch.attn_bias = attention_bias(mask, x.dtype)
         batch.canonical = batch.row_key_pos = None  # this forward's own choice, below
         fused = self.fused_layer_args() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
         if fused is not None:
             # every forward of this decoder (target and drafts alike) runs its layers in C++, with the
-            # row-invariant attention
+            # row-invariant attention; the additive bias only where attention probabilities are exported
             batch.row_key_pos = cache.positions[batch.read_slots, :key_len]
-            batch.attn_bias_f32 = batch.attn_bias.float() if batch.attention_layers else None
+            batch.attn_bias = batch.attn_bias_f32 = None
+            if batch.attention_layers:
+                batch.attn_bias = attention_bias(mask, x.dtype)
+                batch.attn_bias_f32 = batch.attn_bias.float()
             cos, sin = self._rope(batch.position_ids, x.dtype)
             probs: dict[int, torch.Tensor] = {}
             x = self._fused_forward(x, fused, cos, sin, cache, batch, key_len, mask, probs)
             return self._logits(x, batch, bsz, t), probs
+        batch.attn_bias = attention_bias(mask, x.dtype)
         canonical = batch.row_invariant and x.dtype == torch.bfloat16 and ROW_INVARIANT_ATTENTION
         batch.attn_bias_f32 = (batch.attn_bias.float() if x.dtype == torch.bfloat16
                                and (batch.attention_layers or not canonical) else None)
