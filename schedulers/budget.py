@@ -53,7 +53,7 @@ class AdaptiveBudget:
     #: what is left in ``hits`` of its initial optimistic 1.0 (decays with every observed step)
     prior: float = 1.0
     #: the deepest tree the request's own evidence supports, in draft levels (a slow start, as TCP's): twice the
-    #: longest run of levels it has had accepted in one step, and ``initial_ramp`` before that. The step gate
+    #: longest run of levels it has had accepted in one step, and 4 before that. The step gate
     #: never grants the request a deeper tree: one accepted level measures an acceptance of 1.0, which alone would
     #: justify a 16-level tree (16 draft forwards) on the next step.
     ramp: int = 4
