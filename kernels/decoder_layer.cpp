@@ -1,5 +1,5 @@
-// One Llama/Qwen2 decoder layer as one C++ call, for int4 weights in the VNNI layout and bfloat16 activations on
-// AVX-512 CPUs (specstream.kernels.decoder_layer).
+// One Llama/Qwen2 decoder layer as one C++ call, for int4 weights in the kernel's layout (int4_vnni.cpp) and
+// bfloat16 activations on x86-64 CPUs with AVX-512 VNNI or AVX2 + FMA (specstream.kernels.decoder_layer).
 //
 // A decode step of Qwen2.5-1.5B at int4 spends about 45 ms in the int4 products and, in the layer written as
 // PyTorch operations, another 10-15 ms in about 50 small operations per layer (norms, RoPE, cache writes, casts,
@@ -226,6 +226,8 @@ std::tuple<torch::Tensor, torch::Tensor> decoder_layer(
 }  // namespace layer
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &simd::parallel_threads, "threads at::parallel_for spreads n items over");
+  m.attr("isa") = simd::kIsa;
   // the layer touches no Python object: other Python threads (the server's event loop) run meanwhile
   m.def("decoder_layer", &layer::decoder_layer, "one int4 decoder layer (see decoder_layer.cpp)",
         pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -1,4 +1,5 @@
-"""A whole decoder layer as one C++ call for int4 weights on AVX-512 VNNI CPUs (``decoder_layer.cpp``).
+"""A whole decoder layer as one C++ call for int4 weights on x86-64 CPUs with AVX-512 VNNI or AVX2 + FMA
+(``decoder_layer.cpp``, built for :func:`specstream.kernels.int4_vnni.cpu_isa`).
 
 At int4 on this project's 2-core AMD EPYC a decode step of the 1.5B target spent 49-65 ms in the int4 products
 and another 18-22 ms in the roughly 50 small PyTorch operations per layer around them (norms, RoPE, cache writes,
@@ -9,7 +10,7 @@ PyTorch layer rounds; the float32 sums of its norms and its SiLU's ``exp`` are i
 from the PyTorch layer's, and one process uses one of the two for every forward of a decoder (the choice is made
 once per process). It is row-invariant, like its kernels, so greedy speculative output equals plain decoding.
 
-``SPECSTREAM_DECODER_LAYER=auto|cpp|torch`` (default ``auto``: the C++ layer where the int4 VNNI kernel and the
+``SPECSTREAM_DECODER_LAYER=auto|cpp|torch`` (default ``auto``: the C++ layer where the int4 kernel and the
 row-invariant attention both run, and the model fits it; ``cpp`` makes its absence an error,
 :class:`DecoderLayerUnavailable`; ``torch`` keeps the PyTorch layer). The C++ source is compiled once per machine
 (about 70 s on 2 cores, cached by ``torch.utils.cpp_extension``). ``tests/test_decoder_layer.py`` checks it against the
@@ -18,7 +19,6 @@ PyTorch layer and for row invariance.
 
 from __future__ import annotations
 
-import hashlib
 from functools import lru_cache
 from pathlib import Path
 
@@ -27,12 +27,7 @@ from specstream.kernels import row_attention as _row_attention
 
 _SOURCE = Path(__file__).with_name("decoder_layer.cpp")
 #: the sources it includes: PyTorch's build cache hashes the listed source only, so their hash names the build
-_INCLUDED = (_SOURCE, int4_vnni._SOURCE, Path(_row_attention.__file__).with_name("row_attention.cpp"))
-
-
-def _name() -> str:
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _INCLUDED)).hexdigest()[:12]
-    return f"specstream_decoder_layer_{digest}"
+_INCLUDED = (_SOURCE, int4_vnni._SOURCE, _row_attention._SOURCE, int4_vnni.SIMD_HEADER)
 
 
 class DecoderLayerUnavailable(RuntimeError):
@@ -46,8 +41,7 @@ def _choice() -> str:
 @lru_cache(maxsize=1)
 def _load():
     """The compiled extension, or the reason it cannot be built here (a str)."""
-    return int4_vnni.compile_extension(_name(), _SOURCE, int4_vnni._CFLAGS, int4_vnni.REQUIRED_FLAGS,
-                                       "fused int4 decoder layer")
+    return int4_vnni.compile_extension("specstream_decoder_layer", _INCLUDED, "fused int4 decoder layer")
 
 
 def cpu_supported() -> bool:
@@ -55,7 +49,7 @@ def cpu_supported() -> bool:
     environment switch against it or its kernels), decided without compiling anything."""
     if _choice() == "torch" or int4_vnni._choice() == "torch" or _row_attention._choice() == "torch":
         return False
-    return int4_vnni.cpu_reason(int4_vnni.REQUIRED_FLAGS) is None
+    return int4_vnni.cpu_reason() is None
 
 
 def unavailable_reason() -> str | None:

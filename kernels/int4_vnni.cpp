@@ -1,13 +1,18 @@
-// Int4 weight x int8 activation products on AVX-512 VNNI CPUs (specstream.kernels.int4_vnni).
+// Int4 weight x int8 activation products on x86-64 CPUs with AVX-512 VNNI or AVX2 + FMA
+// (specstream.kernels.int4_vnni; the compiler flags pick the instruction set, simd16.h).
 //
 // The idea is llama.cpp's for its Q4 x Q8 dot products: quantize each activation row to int8 once per call, one
 // scale per group of 32 columns (as llama.cpp's Q8_0 blocks), multiply the 4-bit weight codes with it in integer
-// arithmetic (VPDPBUSD: unsigned byte x signed byte, four products summed into each int32 lane), and apply the
-// float scales once per group. The weights are interleaved by blocks of 16 output channels, in the manner of
-// llama.cpp's repacked "4x8" / "8x8" CPU layouts: one 512-bit register holds 4 columns of 16 channels, so the
-// int32 lanes are output channels and an activation enters as 4 bytes broadcast to every lane. No horizontal
-// sums are needed, and the unpacked codes of a block are used for up to 8 activation rows at a time, so an extra
-// row (a token-tree node, a request of a batch) costs about 12 instructions per 512 weights.
+// arithmetic, and apply the float scales once per group. The weights are interleaved by blocks of 16 output
+// channels, in the manner of llama.cpp's repacked "4x8" / "8x8" CPU layouts: the int32 lanes are output channels
+// and an activation enters as 4 bytes broadcast to every lane. No horizontal sums are needed, and the unpacked
+// codes of a block are used for up to 8 activation rows at a time, so an extra row (a token-tree node, a request
+// of a batch) costs a few instructions per 512 weights.
+//   AVX-512 VNNI: one 512-bit register holds 4 columns of 16 channels; VPDPBUSD multiplies unsigned code bytes by
+//                 signed activation bytes and sums each 4 into an int32 lane.
+//   AVX2:         two 256-bit registers (channels 0-7, 8-15); VPMADDUBSW and VPMADDWD give the same int32 sums
+//                 (the comment at the AVX2 quantize_row), and the float work is the same operations in the same
+//                 order, so both builds compute the same bits.
 //
 // Layouts (contiguous):
 //   codes  [N/16, K/32, 4, 64] uint8  block b, group g, quarter j: byte 4c + i holds, for channel 16b + c,
@@ -22,7 +27,7 @@
 // same in a tree of 21 nodes and alone.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include "simd16.h"
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -40,26 +45,12 @@ constexpr int64_t kGroupBytes = 320;  // one group of a block: 256 bytes of code
 // times both once per process and passes its choice (int4_vnni.prefetch_distance)
 constexpr int64_t kPrefetchGroups = 8;
 
-inline __m512 bf16x16(const uint16_t* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// 16 floats -> 16 bf16, round to nearest even (PyTorch's conversion, NaNs kept NaN)
-inline void store_bf16x16(uint16_t* p, __m512 v) {
-  __m512i u = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-}
-
+#if defined(SPECSTREAM_AVX512) && defined(__AVX512VNNI__)
 // One activation row: codes q [K] int8, per group of 32 the scale d[g] = amax / 127 and the scaled code sum
 // gsum[g] = d[g] * sum(q in g) (the zero-point term).
 void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* d, float* gsum) {
   for (int64_t g = 0; g < K / kGroup; ++g) {
-    const __m512 v0 = bf16x16(x + g * kGroup), v1 = bf16x16(x + g * kGroup + 16);
+    const __m512 v0 = simd::load_bf16(x + g * kGroup), v1 = simd::load_bf16(x + g * kGroup + 16);
     const bool nan = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
     const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     // a NaN in the group makes its scale NaN (the output NaN, as a float kernel gives); below 127 / FLT_MAX
@@ -81,43 +72,154 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// The unpacked codes of one group of a block: quarter j's low and high nibbles
+struct Codes {
+  __m512i lo[4], hi[4];
+};
+
+inline Codes unpack(const uint8_t* wg) {
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  Codes c;
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(wg + j * 64);
+    c.lo[j] = _mm512_and_si512(v, nib);
+    c.hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  }
+  return c;
+}
+
+// the 16 channels' integer dot products with the 32 int8 codes x of one group, as float
+inline simd::F16 dot(const Codes& c, const int8_t* x) {
+  __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) {
+    a = _mm512_dpbusd_epi32(a, c.lo[j], bcast4(x + 8 * j));
+    b = _mm512_dpbusd_epi32(b, c.hi[j], bcast4(x + 8 * j + 4));
+  }
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(a, b));
+}
+
 // One block of 16 output channels for R activation rows: out[r * o_stride + c], float.
 template <int R, int PF>
 inline void block(const uint8_t* w, const int8_t* xq, const float* xd, const float* xg, int64_t K, float* out,
                   int64_t o_stride) {
   const int64_t G = K / kGroup;
-  const __m512i nib = _mm512_set1_epi8(0x0f);
-  const __m512 eight = _mm512_set1_ps(8.0f);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const simd::F16 eight = simd::set1(8.0f);
+  simd::F16 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = simd::zero();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wg = w + g * kGroupBytes;
     if constexpr (PF > 0)
       for (int l = 0; l < 5; ++l)  // the group PF ahead (5 cache lines)
         _mm_prefetch(reinterpret_cast<const char*>(wg + PF * kGroupBytes + 64 * l), _MM_HINT_T0);
-    __m512i lo[4], hi[4];
-    for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(wg + j * 64);
-      lo[j] = _mm512_and_si512(v, nib);
-      hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-    }
+    const Codes c = unpack(wg);
     const uint16_t* sz = reinterpret_cast<const uint16_t*>(wg + 256);
-    const __m512 sc = bf16x16(sz);
-    const __m512 off = _mm512_fmsub_ps(eight, sc, bf16x16(sz + kLanes));  // w = scale * q - off
+    const simd::F16 sc = simd::load_bf16(sz);
+    const simd::F16 off = simd::fmsub(eight, sc, simd::load_bf16(sz + kLanes));  // w = scale * q - off
     for (int r = 0; r < R; ++r) {
-      const int8_t* x = xq + r * K + g * kGroup;
-      __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-      for (int j = 0; j < 4; ++j) {
-        a = _mm512_dpbusd_epi32(a, lo[j], bcast4(x + 8 * j));
-        b = _mm512_dpbusd_epi32(b, hi[j], bcast4(x + 8 * j + 4));
-      }
-      const __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(a, b));
-      acc[r] = _mm512_fmadd_ps(t, _mm512_mul_ps(sc, _mm512_set1_ps(xd[r * G + g])), acc[r]);
-      acc[r] = _mm512_fnmadd_ps(off, _mm512_set1_ps(xg[r * G + g]), acc[r]);
+      const simd::F16 t = dot(c, xq + r * K + g * kGroup);
+      acc[r] = simd::fmadd(t, simd::mul(sc, simd::set1(xd[r * G + g])), acc[r]);
+      acc[r] = simd::fnmadd(off, simd::set1(xg[r * G + g]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * o_stride, acc[r]);
+  for (int r = 0; r < R; ++r) simd::storef(out + r * o_stride, acc[r]);
 }
+
+#elif !defined(SPECSTREAM_AVX512)
+// AVX2: the same integers as the VNNI path. VPMADDUBSW multiplies code and activation bytes and sums pairs into
+// int16 lanes; the 8 products of a channel's 4-column quarter (4 low-nibble and 4 high-nibble pairs) stay below
+// 8 * 2 * 15 * 128 = 30720 < 32767, so no sum saturates, and VPMADDWD with ones sums neighbouring pairs into the
+// int32 lanes VPDPBUSD gives. The float work after it is the same operations in the same order.
+void quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* d, float* gsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const uint16_t* xg = x + g * kGroup;
+    const __m256 v[4] = {simd::bf16x8(xg), simd::bf16x8(xg + 8), simd::bf16x8(xg + 16), simd::bf16x8(xg + 24)};
+    int nanbits = 0;
+    __m256 amax = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      nanbits |= _mm256_movemask_ps(_mm256_cmp_ps(v[k], v[k], _CMP_UNORD_Q));
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float m = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
+    const bool nan = nanbits != 0;
+    const float dd = nan ? std::numeric_limits<float>::quiet_NaN() : m / 127.0f;
+    const __m256 inv = _mm256_set1_ps(!nan && m > 127.0f / std::numeric_limits<float>::max() ? 127.0f / m : 0.0f);
+    __m256i i[4];
+    for (int k = 0; k < 4; ++k) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], inv));
+    // saturating int32 -> int16 -> int8 (as VPMOVSDB); the packs interleave 128-bit lanes, the permute undoes it
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup), _mm256_permutevar8x32_epi32(b, order));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_extracti128_si256(s8, 1), _mm256_castsi256_si128(s8));
+    s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    const int32_t sum = _mm_cvtsi128_si32(s4) + _mm_cvtsi128_si32(_mm_shuffle_epi32(s4, 1));
+    d[g] = dd;
+    gsum[g] = nan ? dd : dd * float(sum);
+  }
+}
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// One block of 16 output channels for R activation rows: out[r * o_stride + c], float. Quarter j of both halves
+// (4 registers of codes) serves every row before the next quarter is loaded, and each broadcast activation word
+// serves both halves.
+template <int R, int PF>
+inline void block(const uint8_t* w, const int8_t* xq, const float* xd, const float* xg, int64_t K, float* out,
+                  int64_t o_stride) {
+  const int64_t G = K / kGroup;
+  const __m256i nib = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wg = w + g * kGroupBytes;
+    if constexpr (PF > 0)
+      for (int l = 0; l < 5; ++l)  // the group PF ahead (5 cache lines)
+        _mm_prefetch(reinterpret_cast<const char*>(wg + PF * kGroupBytes + 64 * l), _MM_HINT_T0);
+    __m256i sum[R][2];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + j * 64 + 32));
+      const __m256i lo0 = _mm256_and_si256(v0, nib), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);
+      const __m256i lo1 = _mm256_and_si256(v1, nib), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq + r * K + g * kGroup + 8 * j;
+        const __m256i bl = bcast4(x), bh = bcast4(x + 4);
+        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, bl), _mm256_maddubs_epi16(hi0, bh));
+        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, bl), _mm256_maddubs_epi16(hi1, bh));
+        sum[r][0] = j == 0 ? p0 : _mm256_add_epi16(sum[r][0], p0);
+        sum[r][1] = j == 0 ? p1 : _mm256_add_epi16(sum[r][1], p1);
+      }
+    }
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(wg + 256);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sc = simd::bf16x8(sz + 8 * h);
+      const __m256 off = _mm256_fmsub_ps(eight, sc, simd::bf16x8(sz + kLanes + 8 * h));  // w = scale * q - off
+      for (int r = 0; r < R; ++r) {
+        const __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][h], ones));
+        acc[r][h] = _mm256_fmadd_ps(t, _mm256_mul_ps(sc, _mm256_set1_ps(xd[r * G + g])), acc[r][h]);
+        acc[r][h] = _mm256_fnmadd_ps(off, _mm256_set1_ps(xg[r * G + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * o_stride, acc[r][0]);
+    _mm256_storeu_ps(out + r * o_stride + 8, acc[r][1]);
+  }
+}
+
+#else
+#error "int4_vnni.cpp on AVX-512 needs VNNI (-mavx512vnni); build it for AVX2 otherwise"
+#endif
+
 
 using BlockFn = void (*)(const uint8_t*, const int8_t*, const float*, const float*, int64_t, float*, int64_t);
 template <int PF>
@@ -165,7 +267,7 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, int64_t prefetch) {
         const int rows = int(std::min<int64_t>(kMaxTile, M - m));
         blocks[rows - 1](wb, xqp + m * K, xdp + m * G, xgp + m * G, K, tile, kLanes);
         for (int r = 0; r < rows; ++r)
-          store_bf16x16(yp + (m + r) * N + b * kLanes, _mm512_loadu_ps(tile + r * kLanes));
+          simd::store_bf16(yp + (m + r) * N + b * kLanes, simd::loadf(tile + r * kLanes));
       }
     }
   });
@@ -177,7 +279,9 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, int64_t prefetch) {
 // decoder_layer.cpp includes this file and defines its own module
 #ifndef SPECSTREAM_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_mm", &int4::int4_mm, "y[M,N] bf16 = x[M,K] bf16 @ ((codes - 8) * scales + zeros)^T (AVX-512 VNNI)",
+  m.def("parallel_threads", &simd::parallel_threads, "threads at::parallel_for spreads n items over");
+  m.attr("isa") = simd::kIsa;
+  m.def("int4_mm", &int4::int4_mm, "y[M,N] bf16 = x[M,K] bf16 @ ((codes - 8) * scales + zeros)^T",
         pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("prefetch") = int4::kPrefetchGroups);
 }
 #endif

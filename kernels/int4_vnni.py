@@ -1,22 +1,28 @@
-"""The int4 x int8 product of this project's own on AVX-512 VNNI CPUs (``int4_vnni.cpp``), and its weight layout.
+"""The int4 x int8 product of this project's own on x86-64 CPUs (``int4_vnni.cpp``), and its weight layout.
 
 PyTorch's ``_weight_int4pack_mm_for_cpu`` converts the 4-bit codes to float and multiplies in float32, one
 activation row at a time: on this project's 2-core AMD EPYC a 21-row product costs 10x a 1-row one, which is
 what token-tree verification and batches pay. The kernel here follows llama.cpp's Q4 x Q8 dot products instead
-(activations quantized to int8 in groups of 32, integer products with VPDPBUSD, float scales once per group) on
-weights interleaved by blocks of 16 output channels (llama.cpp's repacked CPU layouts), so a block's codes are
-unpacked once for up to 8 rows. Measured against PyTorch's kernel on Qwen2.5-1.5B's shapes, weights cold in
-memory (``docs/benchmarks.md``): about the same speed for 1 row, 2x faster for 21.
+(activations quantized to int8 in groups of 32, integer products, float scales once per group) on weights
+interleaved by blocks of 16 output channels (llama.cpp's repacked CPU layouts), so a block's codes are unpacked
+once for up to 8 rows. Measured against PyTorch's kernel on Qwen2.5-1.5B's shapes, weights cold in memory
+(``docs/benchmarks.md``): about the same speed for 1 row, 2x faster for 21.
+
+It is built for the best instruction set of :data:`ISAS` the CPU has (:func:`cpu_isa`): AVX-512 VNNI (VPDPBUSD,
+AMD Zen 4, Intel since Ice Lake) or AVX2 with FMA (VPMADDUBSW + VPMADDWD, nearly every x86-64 server CPU since
+2013). Both compute the same integer sums and the same float operations in the same order (``simd16.h``).
+``SPECSTREAM_KERNEL_ISA=avx2`` builds the AVX2 one on an AVX-512 CPU (A/B runs); it applies to every C++ kernel
+of :mod:`specstream.kernels`.
 
 The product is row-invariant (a row's bits do not depend on the other rows of the call), which speculative
 verification needs; ``tests/test_int4_vnni.py`` checks it bit for bit.
 
-The C++ source is compiled once per machine by ``torch.utils.cpp_extension`` (about 25 s, cached under
-``~/.cache/torch_extensions``) on first use. Without AVX-512 VNNI, a compiler or ninja, or with
-``SPECSTREAM_INT4_KERNEL=torch``, :func:`available` is False and :class:`~specstream.kernels.quant.Int4Linear`
-keeps PyTorch's kernel; ``SPECSTREAM_INT4_KERNEL=vnni`` makes that an error instead. Layers the kernel does not
-fit (groups other than 32, ``N`` not a multiple of 16, a device other than the CPU) use PyTorch's kernel whatever
-the choice.
+The C++ source is compiled once per machine and instruction set by ``torch.utils.cpp_extension`` (about 25 s,
+cached under ``~/.cache/torch_extensions``) on first use. On a CPU without AVX2 and FMA, without a compiler or
+ninja, or with ``SPECSTREAM_INT4_KERNEL=torch``, :func:`available` is False and
+:class:`~specstream.kernels.quant.Int4Linear` keeps PyTorch's kernel; ``SPECSTREAM_INT4_KERNEL=vnni`` (this
+kernel, whatever its instruction set) makes that an error instead. Layers the kernel does not fit (groups other
+than 32, ``N`` not a multiple of 16, a device other than the CPU) use PyTorch's kernel whatever the choice.
 
 Layout (:func:`pack`): ``[N / 16, K / 32, 320]`` uint8. For block ``b`` and group ``g``, bytes 0..255 are four
 quarters of 64 bytes: byte ``4c + i`` of quarter ``j`` holds column ``32g + 8j + i`` of channel ``16b + c`` in its
@@ -27,6 +33,7 @@ and 288..319 their zeros (``w = (q - 8) * scale + zero``, PyTorch's int4 convent
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import platform
@@ -41,15 +48,21 @@ log = logging.getLogger("specstream.kernels")
 
 #: channels per block and columns per group of the layout
 LANES, GROUP = 16, 32
-#: CPU flags (``/proc/cpuinfo``) the compiled kernel needs
-REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"]
+#: the instruction sets this project's C++ kernels are built for, best first: name, the CPU flags
+#: (``/proc/cpuinfo``) it needs, its compiler flags. The AVX2 build computes the same integers and floats in the
+#: same order as the AVX-512 VNNI one (``simd16.h``), with two 256-bit registers where the other has one.
+ISAS = (
+    ("avx512-vnni", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+     ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma")),
+    ("avx2", frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
+)
 _SOURCE = Path(__file__).with_name("int4_vnni.cpp")
-_NAME = "specstream_int4_vnni"
+#: the header every kernel source includes (PyTorch's build cache hashes the listed source only)
+SIMD_HEADER = Path(__file__).with_name("simd16.h")
 
 
 class Int4KernelUnavailable(RuntimeError):
-    """``SPECSTREAM_INT4_KERNEL=vnni`` was asked for and the kernel cannot run here (the message says why)."""
+    """``SPECSTREAM_INT4_KERNEL=vnni`` (this project's kernel) was asked for and the kernel cannot run here (the message says why)."""
 
 
 def env_choice(variable: str, native: str) -> str:
@@ -126,21 +139,55 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
-def cpu_reason(required_flags: frozenset[str]) -> str | None:
-    """Why this CPU cannot run a kernel needing ``required_flags`` (not x86-64, or flags missing); None if it can."""
+def cpu_isa() -> str | None:
+    """The instruction set the C++ kernels are built for on this CPU (a name of :data:`ISAS`): the best one whose
+    flags the CPU has, or the one ``SPECSTREAM_KERNEL_ISA`` names (``auto``, the default, picks); None when the
+    CPU runs none (not x86-64, or without AVX2 and FMA).
+
+    Raises:
+        ValueError: ``SPECSTREAM_KERNEL_ISA`` names no instruction set of :data:`ISAS`.
+    """
+    want = os.environ.get("SPECSTREAM_KERNEL_ISA", "auto").strip().lower()
+    names = [name for name, _, _ in ISAS]
+    if want != "auto" and want not in names:
+        raise ValueError(f"SPECSTREAM_KERNEL_ISA={want!r}: expected auto, {', '.join(names)}")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    flags = cpu_flags()
+    for name, needs, _ in ISAS:
+        if (want in ("auto", name)) and needs <= flags:
+            return name
+    return None
+
+
+def cpu_reason() -> str | None:
+    """Why this CPU cannot run the C++ kernels (not x86-64, or none of :data:`ISAS`' flag sets, or not the one
+    ``SPECSTREAM_KERNEL_ISA`` names); None if it can."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    missing = required_flags - cpu_flags()
-    return f"the CPU lacks {', '.join(sorted(missing))}" if missing else None
+    if cpu_isa() is not None:
+        return None
+    flags = cpu_flags()
+    want = os.environ.get("SPECSTREAM_KERNEL_ISA", "auto").strip().lower()
+    wanted = [(name, needs) for name, needs, _ in ISAS if want in ("auto", name)]
+    missing = "; ".join(f"{', '.join(sorted(needs - flags))} for {name}" for name, needs in wanted)
+    return f"the CPU lacks {missing}"
 
 
-def compile_extension(name: str, source: Path, cflags: list[str], required_flags: frozenset[str], what: str):
-    """Build (once per machine, cached by ``torch.utils.cpp_extension``) and import the C++ extension ``name``
-    from ``source``; returns the module, or the reason it cannot run here (a str): not an x86-64 CPU, a CPU
-    without ``required_flags``, or a failed build (a missing compiler or ninja). ``what`` names it in the log."""
-    reason = cpu_reason(required_flags)
+def compile_extension(name: str, sources: tuple[Path, ...], what: str):
+    """Build (once per machine and instruction set, cached by ``torch.utils.cpp_extension``) and import the C++
+    extension compiled from ``sources[0]`` (which includes the others) for :func:`cpu_isa`; the module's name is
+    ``name``, the instruction set and a hash of ``sources``. Returns the module, or the reason it cannot run here
+    (a str): not an x86-64 CPU, a CPU without AVX2 and FMA, or a failed build (a missing compiler or ninja).
+    ``what`` names it in the log."""
+    reason = cpu_reason()
     if reason is not None:
         return reason
+    isa = cpu_isa()
+    # -fopenmp: ATen's at::parallel_for is OpenMP pragmas in its headers, so without it every loop runs on one core
+    cflags = ["-O3", "-fopenmp", *next(f for n, _, f in ISAS if n == isa)]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+    name = f"{name}_{isa.replace('-', '_')}_{digest}"
     try:
         quiet = logging.getLogger("torch.utils.cpp_extension")  # its "No CUDA runtime is found" warning on import
         level = quiet.level
@@ -161,16 +208,22 @@ def compile_extension(name: str, source: Path, cflags: list[str], required_flags
             clear_stale_lock(Path(_get_build_directory(name, False)))
         except (ImportError, OSError, TypeError) as exc:  # a private helper of PyTorch's: never fatal
             log.debug("build lock check skipped: %s", exc)
-        log.info("compiling the %s (once per machine, about 25 s): %s", what, source)
-        return load(name, [str(source)], extra_cflags=cflags, verbose=False)
+        log.info("compiling the %s for %s (once per machine): %s", what, isa, sources[0])
+        module = load(name, [str(sources[0])], extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a build error: the PyTorch path instead
-        return f"building {source.name} failed: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc!r}"
+        text = str(exc).strip()
+        return f"building {sources[0].name} failed: {text.splitlines()[-1] if text else repr(exc)}"
+    want = min(2, torch.get_num_threads())
+    if module.parallel_threads(64) < want:
+        log.warning("the %s runs on one thread although torch has %d: its build lacks OpenMP (%s)", what,
+                    torch.get_num_threads(), name)
+    return module
 
 
 @lru_cache(maxsize=1)
 def _load():
     """The compiled extension, or the reason it is not available (a str)."""
-    return compile_extension(_NAME, _SOURCE, _CFLAGS, REQUIRED_FLAGS, "int4 VNNI kernel")
+    return compile_extension("specstream_int4", (_SOURCE, SIMD_HEADER), "int4 kernel")
 
 
 def unavailable_reason() -> str | None:

@@ -297,8 +297,8 @@ class Int4Linear(nn.Module):
     Shapes: ``x`` ``[..., in_features]`` (cast to bfloat16) -> ``[..., out_features]`` bfloat16.
     Buffers: ``packed`` (the kernel's layout), ``scales_and_zeros`` ``[K / g, N, 2]`` bfloat16 (None in the
     ``vnni`` layout, which holds them itself), ``bias``.
-    ``layout`` is ``"vnni"`` (this project's AVX-512 VNNI kernel, :mod:`specstream.kernels.int4_vnni`, chosen when
-    it is available and the shape fits) or ``"torch"`` (PyTorch's packed kernel).
+    ``layout`` is ``"vnni"`` (this project's int4 kernel, AVX-512 VNNI or AVX2, :mod:`specstream.kernels.int4_vnni`,
+    chosen when it is available and the shape fits) or ``"torch"`` (PyTorch's packed kernel).
     ``rows`` (embedding lookups) works on the ``vnni`` layout and on the CPU ``torch`` layout with ``N`` a
     multiple of 64; other layers keep a separate row-major nibble copy only when used as an embedding
     (:meth:`enable_rows`).

@@ -1,4 +1,5 @@
-// Row-invariant attention on AVX-512 CPUs (specstream.kernels.row_attention).
+// Row-invariant attention on x86-64 CPUs with AVX-512 or AVX2 + FMA (specstream.kernels.row_attention; the
+// compiler flags pick the instruction set, simd16.h: the same operations in the same order on both).
 //
 // One query row's output is a function of its own query and of the keys and values it may see, taken in the order
 // of their positions, and of nothing else: not the other rows of the call, not how many cache columns the call
@@ -10,8 +11,8 @@
 //   1. its visible columns (mask), ordered by the position stored for each column (ties cannot occur: a row sees
 //      each position once);
 //   2. scores s_i = scale * <q, k_i>, each one dot of D/16 FMAs over 16 float32 lanes and one horizontal sum;
-//   3. m = max_i s_i (exact, order-free), p_i = exp(s_i - m) by one fixed polynomial, l = sum of p_i with lane
-//      i mod 16 accumulating index i, then one horizontal sum;
+//   3. m = max_i s_i (exact, order-free), p_i = exp(s_i - m) by one fixed polynomial (simd::exp_nonpos),
+//      l = sum of p_i with lane i mod 16 accumulating index i, then one horizontal sum;
 //   4. o = sum_i p_i v_i in position order, FMAs over D lanes; out = o / l.
 // Work items are (batch row, query row, key/value head), split over threads as whole items, so threads never
 // share a reduction.
@@ -24,7 +25,7 @@
 //   -> out [B, T, Hq, D]  float32 (a row with no visible column gives zeros)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include "simd16.h"
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -34,32 +35,8 @@ namespace {
 
 constexpr int kMaxChunks = 16;  // D up to 256
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// exp(x) for x <= 0 (scores minus their max), one fixed sequence of operations: x = n ln2 + r, |r| <= ln2 / 2,
-// exp(r) by its Taylor polynomial of degree 7 (relative error below 1e-8 on that range), times 2^n.
-inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-103.0f);
-  __mmask16 zero = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_scalef_ps(p, n));
-}
+inline simd::F16 load16(const float* p) { return simd::loadf(p); }
+inline simd::F16 load16(const at::BFloat16* p) { return simd::load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 
 template <typename QT, typename KT>
 void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask,
@@ -105,19 +82,19 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
       scores.resize(G * np);
       for (int64_t g = 0; g < G; ++g) {
         const QT* qrow = qp + b * qs0 + (h * G + g) * qs1 + t * qs2;
-        for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(&qf[g * D + c * 16], load16(qrow + c * 16));
+        for (int64_t c = 0; c < C; ++c) simd::storef(&qf[g * D + c * 16], load16(qrow + c * 16));
       }
       // 2. scores
       const KT* kbase = kp + b * ks0 + h * ks1;
       for (int64_t i = 0; i < n; ++i) {
         const KT* krow = kbase + cols[i] * ks2;
-        __m512 kv[kMaxChunks];
+        simd::F16 kv[kMaxChunks];
         for (int64_t c = 0; c < C; ++c) kv[c] = load16(krow + c * 16);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = &qf[g * D];
-          __m512 acc = _mm512_mul_ps(load16(qg), kv[0]);
-          for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(load16(qg + c * 16), kv[c], acc);
-          scores[g * np + i] = _mm512_reduce_add_ps(acc) * scale;
+          simd::F16 acc = simd::mul(load16(qg), kv[0]);
+          for (int64_t c = 1; c < C; ++c) acc = simd::fmadd(load16(qg + c * 16), kv[c], acc);
+          scores[g * np + i] = simd::reduce_add(acc) * scale;
         }
       }
       // 3. softmax weights, 4. the weighted sum of values
@@ -126,25 +103,25 @@ void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
         float* sg = &scores[g * np];
         float m = sg[0];
         for (int64_t i = 1; i < n; ++i) m = std::max(m, sg[i]);
-        const __m512 mv = _mm512_set1_ps(m);
-        __m512 lsum = _mm512_setzero_ps();
+        const simd::F16 mv = simd::set1(m);
+        simd::F16 lsum = simd::zero();
         for (int64_t i = 0; i < np; i += 16) {
-          const __mmask16 live = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                             : static_cast<__mmask16>((1u << (n - i)) - 1u);
-          __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + i), mv)));
-          _mm512_storeu_ps(sg + i, p);
-          lsum = _mm512_add_ps(lsum, p);
+          // lanes past n (the padding of the scores) give zeros
+          const simd::F16 s = simd::keep_first(simd::loadf(sg + i), n - i);
+          const simd::F16 p = simd::keep_first(simd::exp_nonpos(simd::sub(s, mv)), n - i);
+          simd::storef(sg + i, p);
+          lsum = simd::add(lsum, p);
         }
-        const float l = _mm512_reduce_add_ps(lsum);
-        __m512 acc[kMaxChunks];
-        for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_setzero_ps();
+        const float l = simd::reduce_add(lsum);
+        simd::F16 acc[kMaxChunks];
+        for (int64_t c = 0; c < C; ++c) acc[c] = simd::zero();
         for (int64_t i = 0; i < n; ++i) {
           const KT* vrow = vbase + cols[i] * vs2;
-          const __m512 p = _mm512_set1_ps(sg[i]);
-          for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vrow + c * 16), acc[c]);
+          const simd::F16 p = simd::set1(sg[i]);
+          for (int64_t c = 0; c < C; ++c) acc[c] = simd::fmadd(p, load16(vrow + c * 16), acc[c]);
         }
-        const __m512 lv = _mm512_set1_ps(l);
-        for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(orow + g * D + c * 16, _mm512_div_ps(acc[c], lv));
+        const simd::F16 lv = simd::set1(l);
+        for (int64_t c = 0; c < C; ++c) simd::storef(orow + g * D + c * 16, simd::div(acc[c], lv));
       }
     }
   });
@@ -188,6 +165,8 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
 // decoder_layer.cpp includes this file and defines its own module
 #ifndef SPECSTREAM_NO_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("parallel_threads", &simd::parallel_threads, "threads at::parallel_for spreads n items over");
+  m.attr("isa") = simd::kIsa;
   m.def("row_attention", &rowattn::row_attention, "row-invariant attention (q, k, v, mask, pos, scale) -> [B, T, Hq, D]");
 }
 #endif

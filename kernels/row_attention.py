@@ -1,4 +1,5 @@
-"""Row-invariant attention as one C++ call per layer on AVX-512 CPUs (``row_attention.cpp``).
+"""Row-invariant attention as one C++ call per layer on x86-64 CPUs (``row_attention.cpp``; AVX-512 or AVX2 + FMA,
+the instruction set of :func:`specstream.kernels.int4_vnni.cpu_isa`).
 
 The target's forwards at bfloat16 activations need an attention whose result for a query row does not depend on
 the rows beside it, so that greedy speculative output equals plain decoding token for token
@@ -15,7 +16,7 @@ LLM Inference", 2025).
 Its bits differ from :func:`canonical_attention`'s (both are exact softmax attention in float32 to about 1e-6),
 so one engine uses one of them for every forward: the choice is made once per process. ``SPECSTREAM_ROW_ATTENTION=
 auto|cpp|torch`` (default ``auto``: this kernel where it builds, the PyTorch formulation elsewhere, e.g. on CUDA
-or a CPU without AVX-512); ``cpp`` makes its absence an error (:class:`RowAttentionUnavailable`).
+or a CPU without AVX2); ``cpp`` makes its absence an error (:class:`RowAttentionUnavailable`).
 ``tests/test_row_attention.py`` checks the invariance bit for bit and the values against SDPA.
 """
 
@@ -26,12 +27,9 @@ from pathlib import Path
 
 import torch
 
-from specstream.kernels.int4_vnni import compile_extension, env_choice
+from specstream.kernels.int4_vnni import SIMD_HEADER, compile_extension, env_choice
 
-REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 _SOURCE = Path(__file__).with_name("row_attention.cpp")
-_NAME = "specstream_row_attention"
 
 
 class RowAttentionUnavailable(RuntimeError):
@@ -45,7 +43,7 @@ def _choice() -> str:
 @lru_cache(maxsize=1)
 def _load():
     """The compiled extension, or the reason it is not available (a str)."""
-    return compile_extension(_NAME, _SOURCE, _CFLAGS, REQUIRED_FLAGS, "row-invariant attention kernel")
+    return compile_extension("specstream_row_attention", (_SOURCE, SIMD_HEADER), "row-invariant attention kernel")
 
 
 def unavailable_reason() -> str | None:

@@ -13,7 +13,7 @@ from specstream.stages.speculative.models.llama import ForwardBatch
 from specstream.stages.speculative.models.loader import load_decoder
 
 # the CPU check only: the first test compiles the layer (about 70 s), not the collection of every worker
-pytestmark = pytest.mark.skipif(not decoder_layer.cpu_supported(), reason="no AVX-512 VNNI x86-64 CPU here")
+pytestmark = pytest.mark.skipif(not decoder_layer.cpu_supported(), reason="no x86-64 CPU with AVX2 + FMA or AVX-512 VNNI here")
 
 
 def _model(path, fused: bool):

@@ -103,20 +103,65 @@ def test_torch_choice_and_missing_cpu_flags_fall_back_to_pytorchs_kernel(monkeyp
     assert int4_vnni.unavailable_reason() == "SPECSTREAM_INT4_KERNEL=torch"
 
     monkeypatch.setenv("SPECSTREAM_INT4_KERNEL", "auto")
-    monkeypatch.setattr(int4_vnni, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(int4_vnni, "cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
     int4_vnni._load.cache_clear()
     try:
         reason = int4_vnni.unavailable_reason()
-        assert reason is not None and "avx512_vnni" in reason
+        assert reason is not None and "avx512_vnni" in reason and "avx2, fma for avx2" in reason
         assert Int4Linear.from_codes(q, sz, None, 32).layout == "torch"
         monkeypatch.setenv("SPECSTREAM_INT4_KERNEL", "vnni")
-        with pytest.raises(int4_vnni.Int4KernelUnavailable, match="lacks .*avx512_vnni"):
+        with pytest.raises(int4_vnni.Int4KernelUnavailable, match="lacks .*avx2, fma for avx2"):
             Int4Linear.from_codes(q, sz, None, 32)
         monkeypatch.setenv("SPECSTREAM_INT4_KERNEL", "fast")
         with pytest.raises(ValueError, match="expected auto, vnni or torch"):
             int4_vnni.available()
     finally:
         int4_vnni._load.cache_clear()
+
+
+@needs_vnni
+def test_every_kernel_module_runs_on_torchs_threads_and_the_cpus_instruction_set():
+    """ATen's ``at::parallel_for`` is OpenMP pragmas in its headers: a module built without ``-fopenmp`` ran each
+    product, attention and layer on one core, half of what a 2-core CPU gives."""
+    from specstream.kernels import decoder_layer, row_attention
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for module in (int4_vnni, row_attention, decoder_layer):
+            ext = module._load()
+            assert not isinstance(ext, str), ext
+            assert ext.parallel_threads(64) == 2
+            assert ext.isa == {"avx512-vnni": "avx512", "avx2": "avx2"}[int4_vnni.cpu_isa()]
+    finally:
+        torch.set_num_threads(before)
+
+
+AVX512_VNNI = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma"})
+
+
+@pytest.mark.parametrize("flags,env,isa", [
+    (AVX512_VNNI, "auto", "avx512-vnni"),
+    (AVX512_VNNI, "avx2", "avx2"),  # the AVX2 build on an AVX-512 CPU, when asked for
+    (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}), "auto", "avx2"),  # no VNNI
+    (frozenset({"avx2", "fma"}), "auto", "avx2"),  # AMD EPYC before Zen 4, Intel before Ice Lake: AVX2 only
+    (frozenset({"avx2", "fma"}), "avx512-vnni", None),
+    (frozenset({"avx", "sse4_2"}), "auto", None),
+])
+def test_the_kernels_instruction_set_is_the_best_the_cpu_has(monkeypatch, flags, env, isa):
+    monkeypatch.setattr(int4_vnni.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(int4_vnni, "cpu_flags", lambda: flags)
+    monkeypatch.setenv("SPECSTREAM_KERNEL_ISA", env)
+    assert int4_vnni.cpu_isa() == isa
+    assert (int4_vnni.cpu_reason() is None) == (isa is not None)
+    if isa is None:
+        assert int4_vnni.cpu_reason().startswith("the CPU lacks ")
+    monkeypatch.setenv("SPECSTREAM_KERNEL_ISA", "sse")
+    with pytest.raises(ValueError, match="SPECSTREAM_KERNEL_ISA='sse': expected auto, avx512-vnni, avx2"):
+        int4_vnni.cpu_isa()
+    monkeypatch.setattr(int4_vnni.platform, "machine", lambda: "aarch64")
+    monkeypatch.setenv("SPECSTREAM_KERNEL_ISA", "auto")
+    assert int4_vnni.cpu_isa() is None and int4_vnni.cpu_reason() == "not an x86-64 CPU (aarch64)"
 
 
 @needs_vnni
