@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -141,8 +142,21 @@ def _module_lock(request):
     from module_lock import module_lock
 
     exclusive = request.node.get_closest_marker("exclusive") is not None
-    with module_lock(os.path.join(tempfile.gettempdir(), f"specstream-tests-{run}.lock"), exclusive):
+    lock = module_lock(os.path.join(tempfile.gettempdir(), f"specstream-tests-{run}.lock"), exclusive)
+    # the wait for the other worker's module is not this test's time: pytest-timeout's alarm (SIGALRM, its signal
+    # method) is paused while waiting, and resumes with the time it had left (a module waiting out the real-weight
+    # module, over 600 s in CI, failed its first test's setup on the timeout)
+    left, interval = signal.getitimer(signal.ITIMER_REAL)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    try:
+        lock.__enter__()
+    finally:
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, left, interval)
+    try:
         yield
+    finally:
+        lock.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")

@@ -137,6 +137,20 @@ def test_every_kernel_module_runs_on_torchs_threads_and_the_cpus_instruction_set
         torch.set_num_threads(before)
 
 
+@pytest.mark.skipif(int4_vnni.cpu_isa() != "avx512-vnni", reason="only an AVX-512 VNNI CPU runs both builds")
+def test_the_avx2_build_gives_the_avx512_builds_bits(monkeypatch):
+    q, sz = _codes(2048, 1536, seed=5)
+    packed = int4_vnni.pack(q, sz)
+    x = _activations(13, 1536)
+    x[3, 40] = float("nan")  # a NaN group stays NaN in both
+    monkeypatch.setenv("SPECSTREAM_KERNEL_ISA", "avx2")
+    avx2 = int4_vnni.compile_extension("specstream_int4", (int4_vnni._SOURCE, int4_vnni.SIMD_HEADER), "int4 kernel")
+    assert avx2.isa == "avx2"
+    for rows in (1, 5, 13):
+        assert torch.equal(avx2.int4_mm(x[:rows].contiguous(), packed, 0).view(torch.int16),
+                           int4_vnni.mm(x[:rows].contiguous(), packed).view(torch.int16))
+
+
 AVX512_VNNI = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma"})
 
 

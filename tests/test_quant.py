@@ -227,16 +227,25 @@ def test_quantized_dtypes_run_on_a_cpu_without_native_bf16(monkeypatch):
     assert quant.available_weight_dtypes("cpu") == ["float32", "bfloat16", "int8", "int4", "int4-g64"]
 
 
-@pytest.mark.parametrize("native,expected", [(True, "int4"), (False, "int8")], ids=["native-bf16", "avx2"])
-def test_auto_dtype_loads_the_fastest_precision_of_this_cpu(tiny, monkeypatch, native, expected):
-    """``--dtype auto``: int4 where bf16 is native (its kernel keeps up with its quarter of the bytes), int8 on
-    an AVX2-only CPU (where int4 decoded at half int8's speed), the next available when one is disabled; the
-    loaded model holds the resolved precision's packed layers."""
-    from specstream.kernels import quant
+@pytest.mark.parametrize("native,flags,expected", [
+    (True, frozenset(), "int4"),
+    (False, frozenset({"avx2", "fma"}), "int4"),
+    (False, frozenset({"avx", "sse4_2"}), "int8"),
+], ids=["native-bf16", "avx2-own-int4-kernel", "no-int4-kernel"])
+def test_auto_dtype_loads_the_fastest_precision_of_this_cpu(tiny, monkeypatch, request, native, flags,
+                                                             expected):
+    """``--dtype auto``: int4 where bf16 is native or this project's int4 kernel runs (AVX2 + FMA: it decodes
+    faster than int8 there), int8 on a CPU with neither (where PyTorch's int4 decoded at half int8's speed), the
+    next available when one is disabled; the loaded model holds the resolved precision's packed layers."""
+    from specstream.kernels import int4_vnni, quant
     from specstream.stages.speculative.models.dtypes import auto_weight_dtype
 
     monkeypatch.setattr(quant, "_AVAILABLE", {})
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native)
+    monkeypatch.setattr(int4_vnni.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(int4_vnni, "cpu_flags", lambda: flags)
+    int4_vnni._load.cache_clear()  # the kernel's availability under these flags, forgotten again at the end
+    request.addfinalizer(int4_vnni._load.cache_clear)
     assert auto_weight_dtype("cpu") == expected
     assert weight_format("auto").label == expected and weight_format("AUTO").label == expected
     model = load_decoder(tiny.qwen, "auto")

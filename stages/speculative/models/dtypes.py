@@ -31,20 +31,25 @@ def auto_weight_dtype(device: str | torch.device = "cpu") -> str:
     """The precision ``--dtype auto`` loads on ``device``: the one that decodes fastest there, among those it runs.
 
     - CUDA: ``bfloat16``.
-    - A CPU with bfloat16 in hardware (AVX-512 bf16 or AMX, :func:`~specstream.kernels.quant.native_bf16`):
-      ``int4`` (groups of 32). Its packed kernel reads a quarter of int8's bytes per weight and, with native bf16,
-      keeps up with them (kernel probe in docs/models.md).
-    - Any other CPU (AVX2): ``int8``. Without native bf16 the int4 kernel converts in software and is
-      compute-bound: measured on an AVX2 EPYC it decoded the real 1.5B target at about half int8's speed
-      (docs/benchmarks.md, "Exactness at int4/int8").
+    - A CPU with bfloat16 in hardware (AVX-512 bf16 or AMX, :func:`~specstream.kernels.quant.native_bf16`), or
+      one that runs this project's int4 kernel (AVX-512 VNNI or AVX2 + FMA, :mod:`specstream.kernels.int4_vnni`):
+      ``int4`` (groups of 32), a quarter of float32's bytes per weight read by a kernel that keeps up with them
+      (docs/benchmarks.md, "int4 and int8 on an AVX2-only CPU").
+    - Any other CPU: ``int8``. PyTorch's int4 kernel without native bf16 converts in software and is
+      compute-bound: measured on an AVX2 EPYC it decoded the real 1.5B target at about half int8's speed.
 
     A precision this machine cannot run (or that ``SPECSTREAM_DISABLE_DTYPES`` disables) is skipped for the next of
     int8, bfloat16, float32.
     """
+    from specstream.kernels import int4_vnni
     from specstream.kernels.quant import kernel_available, native_bf16, parse_weight_format
 
     dev = torch.device(device)
-    first = "bfloat16" if dev.type == "cuda" else ("int4" if native_bf16(dev) else "int8")
+    if dev.type == "cuda":
+        first = "bfloat16"
+    else:
+        own_int4 = int4_vnni.cpu_reason() is None and int4_vnni._choice() != "torch"
+        first = "int4" if native_bf16(dev) or own_int4 else "int8"
     disabled = {d.strip() for d in os.environ.get("SPECSTREAM_DISABLE_DTYPES", "").split(",") if d.strip()}
     # probed in order, stopping at the first that runs (probing int4 builds its kernel: kernels/int4_vnni.py)
     return next((d for d in (first, "int8", "bfloat16", "float32")
