@@ -20,14 +20,10 @@ PyTorch layer and for row invariance.
 from __future__ import annotations
 
 from functools import lru_cache
-from pathlib import Path
 
 from specstream.kernels import int4_vnni
 from specstream.kernels import row_attention as _row_attention
 
-_SOURCE = Path(__file__).with_name("decoder_layer.cpp")
-#: the sources it includes: PyTorch's build cache hashes the listed source only, so their hash names the build
-_INCLUDED = (_SOURCE, int4_vnni._SOURCE, _row_attention._SOURCE, int4_vnni.SIMD_HEADER)
 
 
 class DecoderLayerUnavailable(RuntimeError):
@@ -40,8 +36,10 @@ def _choice() -> str:
 
 @lru_cache(maxsize=1)
 def _load():
-    """The compiled extension, or the reason it cannot be built here (a str)."""
-    return int4_vnni.compile_extension("specstream_decoder_layer", _INCLUDED, "fused int4 decoder layer")
+    """The compiled module of the C++ kernels (:data:`specstream.kernels.int4_vnni.MODULE_SOURCES`), or the reason
+    it is not available here (a str)."""
+    reason = int4_vnni.cpu_reason()
+    return reason if reason is not None else int4_vnni._load()
 
 
 def cpu_supported() -> bool:

@@ -17,8 +17,9 @@ of :mod:`specstream.kernels`.
 The product is row-invariant (a row's bits do not depend on the other rows of the call), which speculative
 verification needs; ``tests/test_int4_vnni.py`` checks it bit for bit.
 
-The C++ source is compiled once per machine and instruction set by ``torch.utils.cpp_extension`` (about 25 s,
-cached under ``~/.cache/torch_extensions``) on first use. On a CPU without AVX2 and FMA, without a compiler or
+The C++ sources are compiled once per machine and instruction set by ``torch.utils.cpp_extension``, as one
+module with the attention and the decoder layer (:data:`MODULE_SOURCES`; about 70 s on 2 cores, cached under
+``~/.cache/torch_extensions``) on first use. On a CPU without AVX2 and FMA, without a compiler or
 ninja, or with ``SPECSTREAM_INT4_KERNEL=torch``, :func:`available` is False and
 :class:`~specstream.kernels.quant.Int4Linear` keeps PyTorch's kernel; ``SPECSTREAM_INT4_KERNEL=vnni`` (this
 kernel, whatever its instruction set) makes that an error instead. Layers the kernel does not fit (groups other
@@ -94,7 +95,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-#: a build lock older than this is a killed build's (a build takes about 25 s); PyTorch would wait on it forever
+#: a build lock older than this is a killed build's (a build takes about 70 s); PyTorch would wait on it forever
 STALE_LOCK_S = 600.0
 
 
@@ -220,10 +221,17 @@ def compile_extension(name: str, sources: tuple[Path, ...], what: str):
     return module
 
 
+#: the sources of the one C++ module of :mod:`specstream.kernels`: ``decoder_layer.cpp`` includes the int4 product
+#: and the attention and exports all three (one build, about 70 s on 2 cores, where three took about 2 minutes)
+MODULE_SOURCES = (Path(__file__).with_name("decoder_layer.cpp"), _SOURCE, Path(__file__).with_name("row_attention.cpp"),
+                  SIMD_HEADER)
+
+
 @lru_cache(maxsize=1)
 def _load():
-    """The compiled extension, or the reason it is not available (a str)."""
-    return compile_extension("specstream_int4", (_SOURCE, SIMD_HEADER), "int4 kernel")
+    """The compiled module of the C++ kernels (int4 product, attention, decoder layer), or the reason it is not
+    available (a str)."""
+    return compile_extension("specstream_kernels", MODULE_SOURCES, "C++ kernels (int4 product, attention, layer)")
 
 
 def unavailable_reason() -> str | None:

@@ -23,13 +23,12 @@ or a CPU without AVX2); ``cpp`` makes its absence an error (:class:`RowAttention
 from __future__ import annotations
 
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-from specstream.kernels.int4_vnni import SIMD_HEADER, compile_extension, env_choice
+from specstream.kernels import int4_vnni
+from specstream.kernels.int4_vnni import env_choice
 
-_SOURCE = Path(__file__).with_name("row_attention.cpp")
 
 
 class RowAttentionUnavailable(RuntimeError):
@@ -42,8 +41,10 @@ def _choice() -> str:
 
 @lru_cache(maxsize=1)
 def _load():
-    """The compiled extension, or the reason it is not available (a str)."""
-    return compile_extension("specstream_row_attention", (_SOURCE, SIMD_HEADER), "row-invariant attention kernel")
+    """The compiled module of the C++ kernels (:data:`specstream.kernels.int4_vnni.MODULE_SOURCES`), or the reason
+    it is not available here (a str)."""
+    reason = int4_vnni.cpu_reason()
+    return reason if reason is not None else int4_vnni._load()
 
 
 def unavailable_reason() -> str | None:
