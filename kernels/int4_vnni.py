@@ -63,7 +63,8 @@ SIMD_HEADER = Path(__file__).with_name("simd16.h")
 
 
 class Int4KernelUnavailable(RuntimeError):
-    """``SPECSTREAM_INT4_KERNEL=vnni`` (this project's kernel) was asked for and the kernel cannot run here (the message says why)."""
+    """``SPECSTREAM_INT4_KERNEL=vnni`` (this project's kernel) was asked for and the kernel cannot run here (the
+    message says why)."""
 
 
 def env_choice(variable: str, native: str) -> str:

@@ -1,5 +1,6 @@
 // Row-invariant attention on x86-64 CPUs with AVX-512 or AVX2 + FMA (specstream.kernels.row_attention; the
 // compiler flags pick the instruction set, simd16.h: the same operations in the same order on both).
+// Built as part of decoder_layer.cpp's module, which exports it.
 //
 // One query row's output is a function of its own query and of the keys and values it may see, taken in the order
 // of their positions, and of nothing else: not the other rows of the call, not how many cache columns the call
@@ -161,12 +162,3 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
 
 }  // namespace
 }  // namespace rowattn
-
-// decoder_layer.cpp includes this file and defines its own module
-#ifndef SPECSTREAM_NO_MODULE
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("parallel_threads", &simd::parallel_threads, "threads at::parallel_for spreads n items over");
-  m.attr("isa") = simd::kIsa;
-  m.def("row_attention", &rowattn::row_attention, "row-invariant attention (q, k, v, mask, pos, scale) -> [B, T, Hq, D]");
-}
-#endif
