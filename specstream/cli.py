@@ -351,7 +351,8 @@ def _add_bench(sub) -> None:
     spec.add_argument("--quick", action="store_true",
                       help="a smoke run (tiny shapes; with --real: one prompt, 4 new tokens, 2 profiled steps)")
     spec.add_argument("--batch-sizes", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=None,
-                      help="batch sizes of the batch sweep, speculation vs none (default 1,4,8; not --real)")
+                      help="batch sizes of the batch sweep, speculation vs none (default 1,4,8); with --real: "
+                           "the batch workloads, the prompts in turn (default one batch of two of each prompt)")
     spec.add_argument("--batch-only", action="store_true", help="only the batch sweep (not --real)")
     spec.set_defaults(func=lambda a: _bench_spec(a))
     for words, (help_text, _) in PASSTHROUGH.items():

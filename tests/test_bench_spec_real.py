@@ -9,7 +9,7 @@ from specstream.pipeline.bench.spec_real import markdown, summarize, workloads
 
 
 def _result():
-    loads = workloads(["code", "prose"], batch=True)
+    loads = workloads(["code", "prose"], [4])
     assert loads == {"code": ["code"], "prose": ["prose"], "batch-4": ["code", "code", "prose", "prose"]}
     a, b = [1, 2, 3, 4], [5, 6, 7, 8]
 
@@ -112,3 +112,31 @@ def test_quantized_rows_are_compared_with_no_speculation_at_their_own_dtype():
     assert c["ours/chain-4@int8"]["code"]["vs_no_spec"] == 4.0 and not c["ours/chain-4@int8"]["code"]["identical"]
     assert c["ours/no-spec@int8"]["code"]["identical"] and c["ours/no-spec@int8"]["code"]["vs_no_spec"] == 1.0
     assert "identical to ours/no-spec at the row's dtype |" in markdown(res)
+
+
+def test_batch_workloads_take_the_prompts_in_turn_at_every_requested_size():
+    names = ["code", "prose", "caption", "repetitive"]
+    loads = workloads(names, [8, 1, 4])
+    assert list(loads) == [*names, "batch-4", "batch-8"]  # 1 is each prompt alone
+    assert loads["batch-4"] == names
+    assert loads["batch-8"] == ["code", "code", "prose", "prose", "caption", "caption", "repetitive", "repetitive"]
+    assert workloads(["code", "prose"], [4, 8])["batch-8"] == ["code"] * 4 + ["prose"] * 4
+    assert workloads(["code"], []) == {"code": ["code"]}
+
+
+def test_paired_rounds_compare_with_the_same_engine_without_speculation_not_the_other_row():
+    from specstream.pipeline.bench.spec_real import median_run
+
+    assert median_run([{"s": 3.0}, {"s": 1.0}, {"s": 2.0}]) == {"s": 2.0}
+    assert median_run([{"s": 4.0}, {"s": 1.0}, {"s": 2.0}, {"s": 3.0}]) == {"s": 2.0}
+    res = _result()
+    res["rounds"] = 3
+    # the speculative row ran beside its own engine without speculation; the host slowed down between rounds,
+    # so the medians of the two sides (1.6 s and 4.0 s runs) would not be comparable, the rounds' ratios are
+    res["configs"]["ours/specinfer"]["code"].update(paired_no_spec_s=1.6, paired_no_spec_tokens=4,
+                                                    paired_ratios=[1.25, 0.9, 1.5])
+    summarize(res)
+    spec = res["configs"]["ours/specinfer"]
+    assert spec["code"]["vs_no_spec"] == pytest.approx(1.25)  # the rounds' median, not 4.0 tokens/s over 2.0
+    assert spec["prose"]["vs_no_spec"] == 1.0  # unpaired: the ours/no-spec row of the run
+    assert "the median of 3 runs per workload" in markdown(res)

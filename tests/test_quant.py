@@ -294,3 +294,34 @@ def test_loading_checks_each_packed_layer_a_block_of_rows_at_a_time(monkeypatch)
     bad[0, 9_999, 0] *= 40  # one channel's scale far off: the check must still see the last block
     with pytest.raises(quant.QuantKernelError):
         quant.check_kernel(layer, lambda a, b: real(q[a:b], bad[:, a:b]), None)
+
+
+def test_loading_returns_the_heap_pages_it_freed_to_the_operating_system():
+    """``return_freed_heap`` (called at the end of every ``load_decoder``): pages freed in the middle of the heap
+    (as loading frees one float tensor after another while later allocations stay) leave the resident set."""
+    import ctypes
+    import ctypes.util
+
+    from specstream.stages.speculative.models.loader import return_freed_heap
+
+    def rss() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    chunks = [libc.malloc(64 << 10) for _ in range(3200)]  # 200 MiB of heap (below the mmap threshold)
+    for c in chunks:
+        ctypes.memset(c, 1, 64 << 10)
+    keep = libc.malloc(64 << 10)  # a later allocation above them: free() alone cannot shrink the heap's top
+    ctypes.memset(keep, 1, 64 << 10)
+    for c in chunks:
+        libc.free(c)
+    before = rss()
+    assert return_freed_heap() is True
+    after = rss()
+    libc.free(keep)
+    assert before - after > 150 << 20, (before, after)

@@ -1,10 +1,12 @@
 """``specstream bench spec --real``: speculative decoding on the real Qwen2.5-Coder pair against Hugging Face.
 
-Target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M, de-quantised to float32; fetched
-with ``specstream models fetch`` on first use and converted once). Float32, ``--threads`` intra-op threads (2).
+Target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M; fetched with ``specstream models
+fetch`` on first use and converted once per weight format: float32 and bfloat16 from the de-quantized tensors, int4
+from the file's own Q4_K blocks, the file llama.cpp runs). ``--dtypes`` (default float32), ``--threads`` intra-op
+threads (2).
 
-Workloads: each prompt alone (code, prose, caption-like, repetitive; all with the chat template), then all of them
-in one batch of ``2 x prompts`` (two of each). Configurations:
+Workloads: each prompt alone (code, prose, caption-like, repetitive; all with the chat template), then batches:
+``--batch-sizes`` (default one batch of ``2 x prompts``, two of each). Configurations:
 
 - ``hf/greedy``: transformers ``generate(do_sample=False)`` (the batch runs as one padded batch);
 - ``hf/assisted``: transformers assisted generation with the draft (``assistant_model``), one request at a time
@@ -51,6 +53,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from specstream.pipeline.bench.harness import (fmt_ratio, machine_info, md_table, pyplot, ratio, save_figure,
@@ -86,11 +89,12 @@ def prompt_ids(checkpoint: Path, names: list[str]) -> dict[str, list[int]]:
     return {n: chat_prompt_ids(checkpoint, PROMPTS[n]) for n in names}
 
 
-def workloads(names: list[str], batch: bool) -> dict[str, list[str]]:
-    """Workload name -> prompt names: each prompt alone, then ``batch-N`` (two of each)."""
+def workloads(names: list[str], batch_sizes: Sequence[int] = ()) -> dict[str, list[str]]:
+    """Workload name -> prompt names: each prompt alone, then ``batch-N`` for each N of ``batch_sizes`` above 1,
+    the prompts in turn and grouped (``batch-4`` of code, prose: code, code, prose, prose)."""
     out = {n: [n] for n in names}
-    if batch:
-        out[f"batch-{2 * len(names)}"] = [n for n in names for _ in range(2)]
+    for size in sorted({int(b) for b in batch_sizes if int(b) > 1}):
+        out[f"batch-{size}"] = [names[i * len(names) // size] for i in range(size)]
     return out
 
 
@@ -239,9 +243,16 @@ def _engine(target: Path, draft: Path, tree: str | None, drafts: str | None, slo
 
 
 def run_ours(name: str, target: Path, draft: Path, ids: dict, loads: dict, new_tokens: int,
-             max_len: int, log, adaptive: bool = True, dtype: str = "float32", bandwidth: float | None = None
-             ) -> dict:
+             max_len: int, log, adaptive: bool = True, dtype: str = "float32", bandwidth: float | None = None,
+             rounds: int = 1) -> dict:
+    """One configuration of ours on every workload (a warm-up first). With ``rounds`` above 1 a speculative
+    configuration runs each workload ``rounds`` times, each time beside the same engine without speculation
+    (``speculate=False``: the same weights, caches and scheduler; the order alternates between rounds), and
+    keeps the median run of each. ``paired_ratios`` holds each round's speculative tokens/s over its neighbour's
+    without speculation, seconds apart: on a host whose speed drifts by tens of percent within minutes, their
+    median (``vs_no_spec``, :func:`summarize`) is the comparison the drift does not move."""
     from specstream.kernels.quant import weight_bytes
+    from specstream.stages.speculative.models.loader import return_freed_heap
 
     tree, drafts = CONFIGS[name]
     slots = max(len(p) for p in loads.values())
@@ -255,24 +266,56 @@ def run_ours(name: str, target: Path, draft: Path, ids: dict, loads: dict, new_t
         f"RSS {memory['rss_bytes'] / 2**30:.2f} GiB")
     speculate = drafts is not None
     engine.generate([ids[loads[next(iter(loads))][0]]], 2, speculate=speculate)  # warm-up
-    per = {}
-    for wname, prompts in loads.items():
-        clock = engine.loop.scheduler.clock  # the clock the scheduler stamps first tokens with
+    clock = engine.loop.scheduler.clock  # the clock the scheduler stamps first tokens with
+
+    def once(prompts: list[str], spec: bool) -> dict:
         t = clock()
-        reqs = engine.generate([ids[p] for p in prompts], new_tokens, speculate=speculate)
+        reqs = engine.generate([ids[p] for p in prompts], new_tokens, speculate=spec)
         secs = clock() - t
         outs = [r.output_ids for r in reqs]
         firsts = [r.stats.first_token_s for r in reqs]
         steps = sum(r.stats.target_steps for r in reqs)
-        per[wname] = {"s": secs, "outputs": outs, "tau": sum(map(len, outs)) / max(1, steps),
-                      "target_steps": steps}
+        rec = {"s": secs, "outputs": outs, "tau": sum(map(len, outs)) / max(1, steps), "target_steps": steps}
         if all(f is not None for f in firsts):
-            per[wname]["first_token_s"] = max(firsts) - t
-        per[wname].update(memory)
-        log(f"{name} {wname}: {sum(map(len, outs)) / secs:.2f} tokens/s tau={per[wname]['tau']:.2f}")
+            rec["first_token_s"] = max(firsts) - t
+        return rec
+
+    paired = speculate and rounds > 1
+    per = {}
+    for wname, prompts in loads.items():
+        runs, plain = [], []
+        for r in range(rounds):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            for spec in (order if paired else (speculate,)):
+                (runs if spec == speculate else plain).append(once(prompts, spec))
+        rec = median_run(runs)
+        if rounds > 1:
+            rec["s_rounds"] = [x["s"] for x in runs]
+        if paired:
+            base = median_run(plain)
+            rec["paired_no_spec_s"] = base["s"]
+            rec["paired_no_spec_tokens"] = sum(map(len, base["outputs"]))
+            rec["paired_identical"] = all(x["outputs"] == base["outputs"] for x in runs + plain)
+            # each round's speculative run against its neighbour without speculation (seconds apart): the host's
+            # drift between rounds cancels in the ratio; their median is the row's 'vs ours/no-spec'
+            rec["paired_ratios"] = [(sum(map(len, a["outputs"])) / a["s"]) / (sum(map(len, b["outputs"])) / b["s"])
+                                    for a, b in zip(runs, plain)]
+        rec.update(memory)
+        per[wname] = rec
+        line = f"{name} {wname}: {sum(map(len, rec['outputs'])) / rec['s']:.2f} tokens/s tau={rec['tau']:.2f}"
+        if paired:
+            line += (f" (median of {rounds}; the same engine without speculation "
+                     f"{rec['paired_no_spec_tokens'] / rec['paired_no_spec_s']:.2f} tokens/s)")
+        log(line)
     del engine
     gc.collect()
+    return_freed_heap()  # the next configuration's RSS: its own models, not this one's freed pages
     return per
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median wall time (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r["s"])[(len(runs) - 1) // 2]
 
 
 def host_time_per_step(target: Path, draft: Path, prompts: list[list[int]], steps: int) -> dict:
@@ -336,7 +379,7 @@ def run(args) -> dict:
     draft = resolve_checkpoint(DRAFT, show_progress=show).path
     names = args.prompt_names
     ids = prompt_ids(target, names)
-    loads = workloads(names, not args.no_batch)
+    loads = workloads(names, [] if args.no_batch else (getattr(args, "batch_sizes", None) or [2 * len(names)]))
     configs = args.configs
     ours_names = [c for c in configs if c in CONFIGS]
     hf_names = [c for c in configs if c in HF_CONFIGS]
@@ -348,7 +391,7 @@ def run(args) -> dict:
     results: dict = {"date": time.strftime("%Y-%m-%d"), "threads": args.threads, "dtype": "float32",
                      "new_tokens": args.max_new_tokens, "target": TARGET, "draft": DRAFT,
                      "prompts": {n: PROMPTS[n] for n in names}, "prompt_tokens": {n: len(v) for n, v in ids.items()},
-                     "workloads": loads, "adaptive": not args.fixed_trees, "configs": {}}
+                     "workloads": loads, "adaptive": not args.fixed_trees, "rounds": getattr(args, "rounds", 1), "configs": {}}
     eos = list(resolve_checkpoint(target).eos_token_ids())
     pad = eos[-1]
     if hf_names:
@@ -366,11 +409,15 @@ def run(args) -> dict:
     dtypes = args.dtypes or ["float32"]
     results["dtypes"] = dtypes
     for dtype in dtypes:
+        # quantized: the checkpoint converted from the GGUF file's own blocks (Q4_K -> int4), the file llama.cpp
+        # runs; float32 / bfloat16: its de-quantized conversion
+        dtarget = resolve_checkpoint(TARGET, show_progress=show, dtype=dtype).path
+        ddraft = resolve_checkpoint(DRAFT, show_progress=show, dtype=dtype).path
         for name in ours_names:
             key = name if dtype == "float32" else f"{name}@{dtype}"
-            results["configs"][key] = run_ours(name, target, draft, ids, loads, args.max_new_tokens, max_len, log,
+            results["configs"][key] = run_ours(name, dtarget, ddraft, ids, loads, args.max_new_tokens, max_len, log,
                                                adaptive=not args.fixed_trees, dtype=dtype,
-                                               bandwidth=results["read_bandwidth"])
+                                               bandwidth=results["read_bandwidth"], rounds=getattr(args, "rounds", 1))
     if args.llama_bench:
         from specstream.stages.speculative.models.gguf import gguf_in_dir
         from specstream.pipeline.models_fetch import fetch_model
@@ -383,8 +430,9 @@ def run(args) -> dict:
         pp = ", ".join(f"{n} prompt tokens at {r:.1f} tokens/s" for n, r in lb["pp_tok_s"].items())
         log(f"llama.cpp llama-bench {gguf_file.name}: {lb['tg_tok_s']:.2f} tokens/s plain decode "
             f"(-n {args.max_new_tokens}); prompt processing: {pp or 'none'}")
-    if args.profile_steps and not args.no_batch:
-        batch = [ids[p] for p in loads[f"batch-{2 * len(names)}"]]
+    batches = [w for w, ps in loads.items() if len(ps) > 1]
+    if args.profile_steps and batches:
+        batch = [ids[p] for p in loads[batches[-1]]]  # the largest batch
         results["host_time"] = host_time_per_step(target, draft, batch, args.profile_steps)
         log(f"host time per step: {100 * results['host_time']['host_fraction']:.1f}% of "
             f"{results['host_time']['mean_step_ms']:.0f} ms")
@@ -426,6 +474,9 @@ def summarize(results: dict) -> None:
             base = configs.get(same_dtype(name, "ours/no-spec"), {}).get(wname)
             assisted = configs.get("hf/assisted", {}).get(wname)
             rec["vs_no_spec"] = ratio(rec["tok_s"], base["tok_s"] if base else None)
+            if rec.get("paired_ratios"):  # the same engine without speculation, round by round (run_ours)
+                pairs = sorted(rec["paired_ratios"])
+                rec["vs_no_spec"] = (pairs[(len(pairs) - 1) // 2] + pairs[len(pairs) // 2]) / 2
             rec["vs_hf_assisted"] = ratio(rec["tok_s"], assisted["tok_s"] if assisted else None)
 
 
@@ -440,6 +491,10 @@ def markdown(results: dict) -> str:
              f"{', '.join(results.get('dtypes', [results['dtype']]))}, "
              f"{results['threads']} threads, {results['new_tokens']} new tokens per request, {budget}, "
              f"{results['date']}.", ""]
+    if results.get("rounds", 1) > 1:
+        lines += [f"Each of ours: the median of {results['rounds']} runs per workload; each speculative run alternated "
+                  f"with the same engine without speculation, and its 'vs ours/no-spec' is the median over the rounds "
+                  f"of its tokens/s over its neighbour's (the same weights, seconds apart).", ""]
     if "cpu" in results:
         lines += [f"CPU: {results['cpu']}; measured read bandwidth {results['read_bandwidth'] / 1e9:.1f} GB/s "
                   f"(torch sum over 1 GiB, {results['threads']} threads)"
@@ -556,7 +611,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"--real: configurations, comma-separated (default: all of "
                              f"{', '.join([*HF_CONFIGS, *CONFIGS])}; with --structured: constrained/no-spec, "
                              f"constrained/grammar-only, constrained/specinfer)")
-    parser.add_argument("--no-batch", action="store_true", help="--real: skip the batch workload")
+    parser.add_argument("--no-batch", action="store_true", help="--real: skip the batch workloads")
     parser.add_argument("--fixed-trees", action="store_true",
                         help="--real: our engines draft the configured tree every step (adaptive budget off); "
                              "results go to bench_spec_real_fixed.*")
@@ -569,6 +624,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "-p 0 -n N) as the anchor row")
     parser.add_argument("--profile-steps", type=int, default=8,
                         help="--real: decode steps profiled for the host time per step (0: none)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="--real: runs of each workload per configuration, medians reported; above 1, each "
+                             "speculative run alternates with the same engine without speculation, the baseline "
+                             "of its 'vs ours/no-spec' (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="--real: no fetch/convert progress bars")
     parser.add_argument("--structured", action="store_true",
                         help="--real: JSON-schema workloads (a code-review object, a caption-like object), "

@@ -144,7 +144,29 @@ def load_decoder(
         pack_linears(model)  # CPU: oneDNN pre-packed weights (small-batch products without repacking)
     else:
         model.fused_layer_args()  # decide (and build, the first time on a machine) the C++ layers at load
+    return_freed_heap()
     return model
+
+
+def return_freed_heap() -> bool:
+    """Give the heap pages that loading freed back to the operating system (glibc's ``malloc_trim(0)``).
+
+    Loading reads and frees one float tensor (or block of codes) at a time; glibc keeps the freed pages mapped,
+    so without this the resident set after loading stays about 0.3 GiB (the int4 Qwen2.5-Coder pair) above what
+    the model holds. Returns whether it ran (False where the C library has no ``malloc_trim``: musl, macOS).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def _load_quantized(model, files: list[Path], names: dict[str, tuple[Path, str]], fmt, device,
