@@ -139,4 +139,6 @@ def test_paired_rounds_compare_with_the_same_engine_without_speculation_not_the_
     spec = res["configs"]["ours/specinfer"]
     assert spec["code"]["vs_no_spec"] == pytest.approx(1.25)  # the rounds' median, not 4.0 tokens/s over 2.0
     assert spec["prose"]["vs_no_spec"] == 1.0  # unpaired: the ours/no-spec row of the run
-    assert "the median of 3 runs per workload" in markdown(res)
+    table = markdown(res)
+    assert "the median of 3 runs per workload" in table
+    assert "| ours/specinfer | 4.00 | – | – | 4.00 | 1.25x (0.90-1.50) |" in table

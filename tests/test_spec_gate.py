@@ -256,6 +256,29 @@ def test_live_gate_switches_a_useless_draft_off_for_the_batch_and_stays_exact(ti
     assert ungated.executor.drafters[0].forwards >= 3 * eng.executor.drafters[0].forwards
 
 
+def test_a_request_without_acceptance_of_its_own_drafts_one_level_first(tiny):
+    """A request's first tree rests on the other requests' acceptance (the workload's), which may be another kind
+    of prompt's: it is cut to one draft level until the request has measured its own; after that its depth grows
+    with its own evidence (``AdaptiveBudget.ramp``). Every tree the gate weighs is checked as it is cut."""
+    eng = _live_engine(tiny, ["noisy"], tree="1,1,1,1")
+    ex = eng.executor
+    seen = {"unmeasured": [], "measured": []}
+    cut = ex.gate.cut
+
+    def spy(decodes, choice, depth_nodes=()):
+        for w in decodes:
+            own = ex.states[w.request_id].budget.measured_alpha
+            seen["unmeasured" if own is None else "measured"].append(w.max_depth)
+        return cut(decodes, choice, depth_nodes)
+
+    ex.gate.cut = spy
+    prompts = _prompts(5)
+    eng.generate(prompts[:1], 24)  # the workload's acceptance now exists: the next requests' prior
+    eng.generate(prompts[1:], 24)
+    assert seen["unmeasured"] and max(seen["unmeasured"]) == 1, seen
+    assert seen["measured"] and max(seen["measured"]) > 1, seen  # the configured 4 levels, once measured
+
+
 def test_live_gate_keeps_the_host_syncs_per_step(tiny):
     """With the gate deciding (adaptive, cost-aware): still at most one sync per draft depth and one per verify,
     each a batched ``tolist``."""

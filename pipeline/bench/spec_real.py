@@ -494,7 +494,8 @@ def markdown(results: dict) -> str:
     if results.get("rounds", 1) > 1:
         lines += [f"Each of ours: the median of {results['rounds']} runs per workload; each speculative run alternated "
                   f"with the same engine without speculation, and its 'vs ours/no-spec' is the median over the rounds "
-                  f"of its tokens/s over its neighbour's (the same weights, seconds apart).", ""]
+                  f"of its tokens/s over its neighbour's (the same weights, seconds apart), the rounds' lowest and "
+                  f"highest in brackets.", ""]
     if "cpu" in results:
         lines += [f"CPU: {results['cpu']}; measured read bandwidth {results['read_bandwidth'] / 1e9:.1f} GB/s "
                   f"(torch sum over 1 GiB, {results['threads']} threads)"
@@ -533,8 +534,11 @@ def markdown(results: dict) -> str:
             bound = f"{rec['no_spec_bound_tok_s']:.2f}" if "no_spec_bound_tok_s" in rec else "–"
             rss = f"{rec['rss_bytes'] / 2**30:.2f}" if rec.get("rss_bytes") else "–"
             first = f"{rec['first_token_s']:.2f}" if rec.get("first_token_s") is not None else "–"
+            vs_plain = fmt_ratio(rec["vs_no_spec"])
+            if rec.get("paired_ratios"):  # the rounds' spread
+                vs_plain += f" ({min(rec['paired_ratios']):.2f}-{max(rec['paired_ratios']):.2f})"
             rows.append([name, f"{rec['tok_s']:.2f}", f"{decode:.2f}" if decode else "–", first, tau,
-                         fmt_ratio(rec["vs_no_spec"]), fmt_ratio(rec["vs_hf_assisted"]), vs_lb, vs_lb_e2e, gib,
+                         vs_plain, fmt_ratio(rec["vs_hf_assisted"]), vs_lb, vs_lb_e2e, gib,
                          bound, rss, same])
         lines += [f"**{wname}** ({', '.join(prompts)})", "", *md_table(header, rows), ""]
     host = results.get("host_time")
