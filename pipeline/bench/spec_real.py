@@ -19,7 +19,9 @@ Workloads: each prompt alone (code, prose, caption-like, repetitive; all with th
 - ``ours/dynamic``: ``dynamic:20`` (21 nodes, expanded by cumulative draft probability);
 - ``ours/merged``: the draft and the n-gram drafter merged (SpecInfer's tree).
 
-Each configuration decodes every workload once after a short warm-up; decode wall time excludes loading.
+Each configuration decodes every workload once after a short warm-up (``--rounds N``: N times, medians; each
+speculative run then paired with the same engine without speculation, :func:`run_ours`); decode wall time
+excludes loading.
 Reported per workload and configuration: tokens/s end to end (prefill included), ours also after the last first
 token (decode tokens/s) and the time to it, tau (ours: committed tokens per target step), the ratios against
 ``ours/no-spec`` and ``hf/assisted`` of the same workload, and whether every output equals ``hf/greedy``'s of the
