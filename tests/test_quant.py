@@ -3,6 +3,8 @@ exactness at each dtype (greedy speculative == the same engine at that dtype wit
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -296,6 +298,7 @@ def test_loading_checks_each_packed_layer_a_block_of_rows_at_a_time(monkeypatch)
         quant.check_kernel(layer, lambda a, b: real(q[a:b], bad[:, a:b]), None)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim and /proc/self/status")
 def test_loading_returns_the_heap_pages_it_freed_to_the_operating_system():
     """``return_freed_heap`` (called at the end of every ``load_decoder``): pages freed in the middle of the heap
     (as loading frees one float tensor after another while later allocations stay) leave the resident set."""
