@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -477,8 +478,7 @@ def summarize(results: dict) -> None:
             assisted = configs.get("hf/assisted", {}).get(wname)
             rec["vs_no_spec"] = ratio(rec["tok_s"], base["tok_s"] if base else None)
             if rec.get("paired_ratios"):  # the same engine without speculation, round by round (run_ours)
-                pairs = sorted(rec["paired_ratios"])
-                rec["vs_no_spec"] = (pairs[(len(pairs) - 1) // 2] + pairs[len(pairs) // 2]) / 2
+                rec["vs_no_spec"] = statistics.median(rec["paired_ratios"])
             rec["vs_hf_assisted"] = ratio(rec["tok_s"], assisted["tok_s"] if assisted else None)
 
 
