@@ -52,11 +52,13 @@ class AdaptiveBudget:
     misses: float = 0.0
     #: what is left in ``hits`` of its initial optimistic 1.0 (decays with every observed step)
     prior: float = 1.0
-    #: the deepest tree the request's own evidence supports, in draft levels (a slow start, as TCP's): twice the
-    #: longest run of levels it has had accepted in one step, and 4 before that. The step gate
-    #: never grants the request a deeper tree: one accepted level measures an acceptance of 1.0, which alone would
-    #: justify a 16-level tree (16 draft forwards) on the next step.
-    ramp: int = 4
+    #: the deepest tree the request's own evidence supports, in draft levels (a slow start, as TCP's): one level
+    #: until a step with drafts was observed (the first tree rests on other requests' acceptance, which may be
+    #: another kind of prompt's: a missed 4-level tree costs 4 draft forwards and 4 verified rows where one level
+    #: measures the same), then 4, then twice the longest run of levels it has had accepted in one step. The step
+    #: gate never grants the request a deeper tree: one accepted level measures an acceptance of 1.0, which alone
+    #: would justify a 16-level tree (16 draft forwards) on the next step.
+    ramp: int = 1
 
     def observe(self, num_accepted: int, proposed: int, depth: int | None = None) -> None:
         """Book one verification step: ``num_accepted`` draft tokens accepted out of a ``proposed``-node tree
@@ -70,7 +72,7 @@ class AdaptiveBudget:
         self.prior *= self.decay
         self.misses = self.decay * self.misses + (1 - self.decay) * (1.0 if num_accepted < depth else 0.0)
         self.steps_off = 0
-        self.ramp = max(self.ramp, 2 * num_accepted)
+        self.ramp = max(self.ramp, 4, 2 * num_accepted)
 
     @property
     def alpha(self) -> float:

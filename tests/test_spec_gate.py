@@ -317,12 +317,15 @@ def test_bench_batch_sweep_smoke(tmp_path):
 
 
 def test_budget_ramp_doubles_with_accepted_runs():
-    """``AdaptiveBudget.ramp``: 4 levels before any evidence; twice the longest run of accepted levels after."""
+    """``AdaptiveBudget.ramp``: one level before any evidence of its own, 4 after the first drafted step, then
+    twice the longest run of accepted levels."""
     from specstream.schedulers.budget import AdaptiveBudget
 
     b = AdaptiveBudget(full_nodes=17)
-    assert b.ramp == 4
-    b.observe(1, 2, 1)  # the warm-up's one level, accepted: still 4, not the 16 an acceptance of 1.0 would allow
+    assert b.ramp == 1
+    b.observe(0, 1, 0)  # a step without drafts is no evidence
+    assert b.ramp == 1
+    b.observe(1, 2, 1)  # the first tree's one level, accepted: 4, not the 16 an acceptance of 1.0 would allow
     assert b.ramp == 4
     b.observe(4, 5, 4)
     assert b.ramp == 8

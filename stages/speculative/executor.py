@@ -466,13 +466,9 @@ class SpeculativeExecutor:
         if self.gate is None or not (self.adaptive and self.cost_aware and self.drafters and decodes):
             return decodes
         states = [self.states[w.request_id] for w in decodes]
-        # no deeper than the request's evidence supports (``AdaptiveBudget.ramp``); one level until the request
-        # has acceptance of its own: its first tree rests on other requests' acceptance (a code prompt's before a
-        # prose one), and a 4-level first tree that the request's drafts miss costs 4 draft forwards and 4
-        # verified rows where one level measures the same
-        limits = [st.budget.ramp if st.budget.measured_alpha is not None else 1 for st in states]
-        decodes = tuple(dataclasses.replace(w, max_depth=lim) if w.max_depth > lim else w
-                        for w, lim in zip(decodes, limits))
+        # no deeper than the request's evidence supports (``AdaptiveBudget.ramp``)
+        decodes = tuple(dataclasses.replace(w, max_depth=st.budget.ramp) if w.max_depth > st.budget.ramp else w
+                        for w, st in zip(decodes, states))
         lags = [[d.lag(w.slot, len(st.draft_context)) for d in self.drafters] for w, st in zip(decodes, states)]
         alphas = self.gate.row_alphas([st.budget.measured_alpha for st in states])
         rows = [(w.node_budget, w.max_depth, a) for w, a in zip(decodes, alphas)]
