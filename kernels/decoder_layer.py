@@ -19,11 +19,8 @@ PyTorch layer and for row invariance.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from specstream.kernels import int4_vnni
 from specstream.kernels import row_attention as _row_attention
-
 
 
 class DecoderLayerUnavailable(RuntimeError):
@@ -34,12 +31,9 @@ def _choice() -> str:
     return int4_vnni.env_choice("SPECSTREAM_DECODER_LAYER", "cpp")
 
 
-@lru_cache(maxsize=1)
-def _load():
-    """The compiled module of the C++ kernels (:data:`specstream.kernels.int4_vnni.MODULE_SOURCES`), or the reason
-    it is not available here (a str)."""
-    reason = int4_vnni.cpu_reason()
-    return reason if reason is not None else int4_vnni._load()
+#: the one compiled module of the C++ kernels (:data:`specstream.kernels.int4_vnni.MODULE_SOURCES`), or the reason
+#: it is not available here (a str)
+_load = int4_vnni._load
 
 
 def cpu_supported() -> bool:
@@ -56,11 +50,8 @@ def unavailable_reason() -> str | None:
     is tried once per process."""
     if _choice() == "torch":
         return "SPECSTREAM_DECODER_LAYER=torch"
-    reason = int4_vnni.unavailable_reason() or _row_attention.unavailable_reason()
-    if reason is not None:
-        return reason
-    ext = _load()
-    return ext if isinstance(ext, str) else None
+    # one module holds the three kernels (int4_vnni.MODULE_SOURCES): built as theirs, it is built as the layer's
+    return int4_vnni.unavailable_reason() or _row_attention.unavailable_reason()
 
 
 def available() -> bool:

@@ -22,13 +22,10 @@ or a CPU without AVX2); ``cpp`` makes its absence an error (:class:`RowAttention
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from specstream.kernels import int4_vnni
 from specstream.kernels.int4_vnni import env_choice
-
 
 
 class RowAttentionUnavailable(RuntimeError):
@@ -39,12 +36,9 @@ def _choice() -> str:
     return env_choice("SPECSTREAM_ROW_ATTENTION", "cpp")
 
 
-@lru_cache(maxsize=1)
-def _load():
-    """The compiled module of the C++ kernels (:data:`specstream.kernels.int4_vnni.MODULE_SOURCES`), or the reason
-    it is not available here (a str)."""
-    reason = int4_vnni.cpu_reason()
-    return reason if reason is not None else int4_vnni._load()
+#: the one compiled module of the C++ kernels (:data:`specstream.kernels.int4_vnni.MODULE_SOURCES`), or the reason
+#: it is not available here (a str)
+_load = int4_vnni._load
 
 
 def unavailable_reason() -> str | None:
