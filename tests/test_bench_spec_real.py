@@ -131,12 +131,15 @@ def test_paired_rounds_compare_with_the_same_engine_without_speculation_not_the_
     assert median_run([{"s": 4.0}, {"s": 1.0}, {"s": 2.0}, {"s": 3.0}]) == {"s": 2.0}
     res = _result()
     res["rounds"] = 3
-    # the speculative row ran beside its own engine without speculation; the host slowed down between rounds,
-    # so the medians of the two sides (1.6 s and 4.0 s runs) would not be comparable, the rounds' ratios are
-    res["configs"]["ours/specinfer"]["code"].update(paired_no_spec_s=1.6, paired_no_spec_tokens=4,
-                                                    paired_ratios=[1.25, 0.9, 1.5])
+    # the speculative row ran beside its own engine without speculation, round by round; the host slowed down in
+    # round 2, so the pairs' ratios are compared, not each side's median against the other row's
+    res["configs"]["ours/specinfer"]["code"].update(s_rounds=[1.0, 2.0, 1.0], no_spec_s_rounds=[1.25, 1.8, 1.5],
+                                                    paired_identical=True)
+    # a round whose outputs differed (speculative against its neighbour) makes the row not identical
+    res["configs"]["ours/specinfer"]["batch-4"].update(paired_identical=False)
     summarize(res)
     spec = res["configs"]["ours/specinfer"]
+    assert spec["batch-4"]["identical"] is False and spec["code"]["identical"] is True
     assert spec["code"]["vs_no_spec"] == pytest.approx(1.25)  # the rounds' median, not 4.0 tokens/s over 2.0
     assert spec["prose"]["vs_no_spec"] == 1.0  # unpaired: the ours/no-spec row of the run
     table = markdown(res)

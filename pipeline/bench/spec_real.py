@@ -52,15 +52,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from specstream.pipeline.bench.harness import (fmt_ratio, machine_info, md_table, pyplot, ratio, save_figure,
-                                               write_results)
+from specstream.pipeline.bench.harness import (fmt_ratio, machine_info, md_table, paired_ratio, pyplot, ratio,
+                                               save_figure, write_results)
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 PROMPTS = {
@@ -251,9 +250,10 @@ def run_ours(name: str, target: Path, draft: Path, ids: dict, loads: dict, new_t
     """One configuration of ours on every workload (a warm-up first). With ``rounds`` above 1 a speculative
     configuration runs each workload ``rounds`` times, each time beside the same engine without speculation
     (``speculate=False``: the same weights, caches and scheduler; the order alternates between rounds), and
-    keeps the median run of each. ``paired_ratios`` holds each round's speculative tokens/s over its neighbour's
-    without speculation, seconds apart: on a host whose speed drifts by tens of percent within minutes, their
-    median (``vs_no_spec``, :func:`summarize`) is the comparison the drift does not move."""
+    keeps the median run. ``s_rounds`` and ``no_spec_s_rounds`` are the rounds' seconds, pair by pair (the outputs
+    are the same, ``paired_identical``): on a host whose speed drifts by tens of percent within minutes, the median
+    of the pairs' ratios (``vs_no_spec``, :func:`summarize`, :func:`~specstream.pipeline.bench.harness.paired_ratio`)
+    is the comparison the drift does not move."""
     from specstream.kernels.quant import weight_bytes
     from specstream.stages.speculative.models.loader import return_freed_heap
 
@@ -294,21 +294,16 @@ def run_ours(name: str, target: Path, draft: Path, ids: dict, loads: dict, new_t
         rec = median_run(runs)
         if rounds > 1:
             rec["s_rounds"] = [x["s"] for x in runs]
-        if paired:
-            base = median_run(plain)
-            rec["paired_no_spec_s"] = base["s"]
-            rec["paired_no_spec_tokens"] = sum(map(len, base["outputs"]))
-            rec["paired_identical"] = all(x["outputs"] == base["outputs"] for x in runs + plain)
-            # each round's speculative run against its neighbour without speculation (seconds apart): the host's
-            # drift between rounds cancels in the ratio; their median is the row's 'vs ours/no-spec'
-            rec["paired_ratios"] = [(sum(map(len, a["outputs"])) / a["s"]) / (sum(map(len, b["outputs"])) / b["s"])
-                                    for a, b in zip(runs, plain)]
+        if paired:  # each speculative round beside its neighbour without speculation, seconds apart
+            rec["no_spec_s_rounds"] = [x["s"] for x in plain]
+            rec["paired_identical"] = all(x["outputs"] == rec["outputs"] for x in runs + plain)
         rec.update(memory)
         per[wname] = rec
-        line = f"{name} {wname}: {sum(map(len, rec['outputs'])) / rec['s']:.2f} tokens/s tau={rec['tau']:.2f}"
+        tokens = sum(map(len, rec["outputs"]))
+        line = f"{name} {wname}: {tokens / rec['s']:.2f} tokens/s tau={rec['tau']:.2f}"
         if paired:
             line += (f" (median of {rounds}; the same engine without speculation "
-                     f"{rec['paired_no_spec_tokens'] / rec['paired_no_spec_s']:.2f} tokens/s)")
+                     f"{tokens / median_run(plain)['s']:.2f} tokens/s)")
         log(line)
     del engine
     gc.collect()
@@ -378,14 +373,20 @@ def run(args) -> dict:
 
     torch.set_num_threads(args.threads)
     show = False if args.no_progress else None
-    target = resolve_checkpoint(TARGET, show_progress=show).path
-    draft = resolve_checkpoint(DRAFT, show_progress=show).path
     names = args.prompt_names
-    ids = prompt_ids(target, names)
     loads = workloads(names, [] if args.no_batch else (getattr(args, "batch_sizes", None) or [2 * len(names)]))
+    batches = [w for w, ps in loads.items() if len(ps) > 1]
     configs = args.configs
     ours_names = [c for c in configs if c in CONFIGS]
     hf_names = [c for c in configs if c in HF_CONFIGS]
+    dtypes = args.dtypes or ["float32"]
+    # the float32 conversion (6.7 + 2.4 GB, minutes to make) only where something runs at float32: Hugging Face,
+    # the host-time profile, a float32 / bfloat16 row; a quantized run reads tokenizer and stop ids from its own
+    profile = bool(args.profile_steps and batches)
+    base = "float32" if hf_names or profile or {"float32", "bfloat16"} & set(dtypes) else dtypes[0]
+    target = resolve_checkpoint(TARGET, show_progress=show, dtype=base).path
+    draft = resolve_checkpoint(DRAFT, show_progress=show, dtype=base).path
+    ids = prompt_ids(target, names)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -409,7 +410,6 @@ def run(args) -> dict:
     results["native_bf16"] = native_bf16("cpu")  # without it bf16/int8/int4 kernels convert in software
     log(f"CPU {results['cpu']}; read bandwidth {results['read_bandwidth'] / 1e9:.1f} GB/s ({args.threads} threads); "
         f"native bf16: {'yes' if results['native_bf16'] else 'no'}")
-    dtypes = args.dtypes or ["float32"]
     results["dtypes"] = dtypes
     for dtype in dtypes:
         # quantized: the checkpoint converted from the GGUF file's own blocks (Q4_K -> int4), the file llama.cpp
@@ -433,8 +433,7 @@ def run(args) -> dict:
         pp = ", ".join(f"{n} prompt tokens at {r:.1f} tokens/s" for n, r in lb["pp_tok_s"].items())
         log(f"llama.cpp llama-bench {gguf_file.name}: {lb['tg_tok_s']:.2f} tokens/s plain decode "
             f"(-n {args.max_new_tokens}); prompt processing: {pp or 'none'}")
-    batches = [w for w, ps in loads.items() if len(ps) > 1]
-    if args.profile_steps and batches:
+    if profile:
         batch = [ids[p] for p in loads[batches[-1]]]  # the largest batch
         results["host_time"] = host_time_per_step(target, draft, batch, args.profile_steps)
         log(f"host time per step: {100 * results['host_time']['host_fraction']:.1f}% of "
@@ -471,14 +470,15 @@ def summarize(results: dict) -> None:
                 rec["decode_tok_s"] = (tokens - len(rec["outputs"])) / (rec["s"] - first)
             if reference is not None:
                 prompts = results["workloads"][wname]
-                rec["identical"] = all(out == reference.get(p) for out, p in zip(rec["outputs"], prompts))
+                rec["identical"] = (all(out == reference.get(p) for out, p in zip(rec["outputs"], prompts))
+                                    and rec.get("paired_identical", True))  # every round, with and without
     for name, per in configs.items():
         for wname, rec in per.items():
             base = configs.get(same_dtype(name, "ours/no-spec"), {}).get(wname)
             assisted = configs.get("hf/assisted", {}).get(wname)
             rec["vs_no_spec"] = ratio(rec["tok_s"], base["tok_s"] if base else None)
-            if rec.get("paired_ratios"):  # the same engine without speculation, round by round (run_ours)
-                rec["vs_no_spec"] = statistics.median(rec["paired_ratios"])
+            if rec.get("no_spec_s_rounds"):  # the same engine without speculation, round by round (run_ours)
+                rec["vs_no_spec"] = paired_ratio(rec["no_spec_s_rounds"], rec["s_rounds"])
             rec["vs_hf_assisted"] = ratio(rec["tok_s"], assisted["tok_s"] if assisted else None)
 
 
@@ -537,8 +537,9 @@ def markdown(results: dict) -> str:
             rss = f"{rec['rss_bytes'] / 2**30:.2f}" if rec.get("rss_bytes") else "–"
             first = f"{rec['first_token_s']:.2f}" if rec.get("first_token_s") is not None else "–"
             vs_plain = fmt_ratio(rec["vs_no_spec"])
-            if rec.get("paired_ratios"):  # the rounds' spread
-                vs_plain += f" ({min(rec['paired_ratios']):.2f}-{max(rec['paired_ratios']):.2f})"
+            if rec.get("no_spec_s_rounds"):  # the rounds' spread
+                pairs = [b / t for b, t in zip(rec["no_spec_s_rounds"], rec["s_rounds"])]
+                vs_plain += f" ({min(pairs):.2f}-{max(pairs):.2f})"
             rows.append([name, f"{rec['tok_s']:.2f}", f"{decode:.2f}" if decode else "–", first, tau,
                          vs_plain, fmt_ratio(rec["vs_hf_assisted"]), vs_lb, vs_lb_e2e, gib,
                          bound, rss, same])
