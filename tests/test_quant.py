@@ -305,13 +305,8 @@ def test_loading_returns_the_heap_pages_it_freed_to_the_operating_system():
     import ctypes
     import ctypes.util
 
+    from specstream.pipeline.bench.spec_real import rss_bytes as rss
     from specstream.stages.speculative.models.loader import return_freed_heap
-
-    def rss() -> int:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
 
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
