@@ -1,7 +1,9 @@
 """Weight-only quantized linear layers and embeddings on PyTorch's own packed kernels.
 
 Decoding one token reads every weight once, so on a CPU its time is the weight bytes over the memory bandwidth.
-These layers keep weights in 8 or 4 bits and compute with bfloat16 activations:
+These layers keep weights in 8 or 4 bits and compute with bfloat16 activations (a float32 input is rounded to
+bfloat16 for the product and the output given back in float32, for models that keep float32 activations on a CPU
+without bfloat16 arithmetic):
 
 - **int8**: symmetric, one scale per output channel (``w = q * s``, ``q`` in [-127, 127]), multiplied by
   ``torch._weight_int8pack_mm`` (weights stay in the plain ``[N, K]`` int8 layout).
@@ -214,10 +216,17 @@ def check_kernel(layer: nn.Module, reference: torch.Tensor | Callable[[int, int]
                                f"float reference by {err:.3g} (tolerance {KERNEL_TOLERANCE} of max |y|)")
 
 
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a quantized layer returns for input ``x``: float32 for float32 activations (a model that keeps
+    its activations in float32 around quantized weights, on a CPU without bfloat16 arithmetic), else bfloat16."""
+    return torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+
+
 class Int8Linear(nn.Module):
     """``y = x (q * s)^T + b`` with int8 per-channel weights (inference only).
 
-    Shapes: ``x`` ``[..., in_features]`` (cast to bfloat16) -> ``[..., out_features]`` bfloat16.
+    Shapes: ``x`` ``[..., in_features]`` (cast to bfloat16) -> ``[..., out_features]`` bfloat16 (float32 for a
+    float32 ``x``).
     Buffers: ``qweight`` ``[N, K]`` int8, ``scales`` ``[N]`` bfloat16, ``bias`` ``[N]`` bfloat16 or None.
     """
 
@@ -248,7 +257,7 @@ class Int8Linear(nn.Module):
                                       self.qweight, self.scales)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.reshape(*shape[:-1], self.out_features).to(_out_dtype(x))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) of the de-quantized weight, bfloat16 ``[*ids.shape, K]``."""
@@ -294,7 +303,8 @@ def int4_nibble_map(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
 class Int4Linear(nn.Module):
     """``y = x W^T + b`` with int4 weights in asymmetric groups (inference only).
 
-    Shapes: ``x`` ``[..., in_features]`` (cast to bfloat16) -> ``[..., out_features]`` bfloat16.
+    Shapes: ``x`` ``[..., in_features]`` (cast to bfloat16) -> ``[..., out_features]`` bfloat16 (float32 for a
+    float32 ``x``).
     Buffers: ``packed`` (the kernel's layout), ``scales_and_zeros`` ``[K / g, N, 2]`` bfloat16 (None in the
     ``vnni`` layout, which holds them itself), ``bias``.
     ``layout`` is ``"vnni"`` (this project's int4 kernel, AVX-512 VNNI or AVX2, :mod:`specstream.kernels.int4_vnni`,
@@ -305,9 +315,13 @@ class Int4Linear(nn.Module):
     """
 
     def __init__(self, packed: torch.Tensor, scales_and_zeros: torch.Tensor | None, bias: torch.Tensor | None,
-                 in_features: int, out_features: int, group_size: int, layout: str = "torch"):
+                 in_features: int, out_features: int, group_size: int, layout: str = "torch",
+                 packed_out_features: int | None = None):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        #: output channels the packed weight holds: ``out_features`` rounded up to the kernels' 16 (the extra
+        #: channels are zero and cut from every product)
+        self.packed_out_features = packed_out_features or out_features
         self.layout = layout
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
@@ -318,14 +332,24 @@ class Int4Linear(nn.Module):
     def from_codes(cls, q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
                    group_size: int, check: bool = True, rows: bool = False) -> "Int4Linear":
         """Pack codes ``q`` ``[N, K]`` (0..15) with their ``scales_and_zeros``; ``rows``: prepare embedding
-        lookups (checked against ``q``)."""
+        lookups (checked against ``q``). Both kernels take output channels in blocks of 16: an ``N`` that is
+        not a multiple of 16 (Whisper's 51,864-token vocabulary) is packed with zero channels up to the next one,
+        which every product cuts off again."""
         from specstream.kernels import int4_vnni
 
         n, k = q.shape
-        if int4_vnni.supports(n, k, group_size, q.device):
-            layer = cls(int4_vnni.pack(q, scales_and_zeros), None, bias, k, n, group_size, layout="vnni")
+        pad = -n % INT4_OUT_BLOCK
+        if pad:  # zero scale and zero: the extra channels are exactly 0
+            q = torch.cat([q, q.new_zeros(pad, k)])
+            scales_and_zeros = torch.cat([scales_and_zeros, scales_and_zeros.new_zeros(
+                scales_and_zeros.shape[0], pad, 2)], 1)
+        if int4_vnni.supports(n + pad, k, group_size, q.device):
+            layer = cls(int4_vnni.pack(q, scales_and_zeros), None, bias, k, n, group_size, layout="vnni",
+                        packed_out_features=n + pad)
         else:
-            layer = cls(_pack_int4(q), scales_and_zeros.contiguous(), bias, k, n, group_size)
+            layer = cls(_pack_int4(q), scales_and_zeros.contiguous(), bias, k, n, group_size,
+                        packed_out_features=n + pad)
+        q, scales_and_zeros = q[:n], scales_and_zeros[:, :n]
         if check:
             check_kernel(layer, lambda a, b: dequantize_int4(q[a:b], scales_and_zeros[:, a:b]), bias)
         if rows:
@@ -404,9 +428,11 @@ class Int4Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        if self.packed_out_features != self.out_features:
+            y = y[:, :self.out_features]
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.reshape(*shape[:-1], self.out_features).to(_out_dtype(x))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) of the de-quantized weight, bfloat16 ``[*ids.shape, K]``."""
@@ -454,15 +480,21 @@ def quantize_linear(linear: nn.Linear, fmt: WeightFormat, rows: bool = False) ->
     return quantize_weight(w, b, fmt, rows)
 
 
+#: output channels the int4 kernels (this project's and PyTorch's) pack at a time
+INT4_OUT_BLOCK = 16
+
+
 def int4_packable(out_features: int, in_features: int, group_size: int) -> bool:
-    """True when PyTorch's int4 packing takes a ``[out_features, in_features]`` weight (N % 16, K % group)."""
-    return out_features % 16 == 0 and in_features % group_size == 0
+    """True when a ``[out_features, in_features]`` weight packs as int4 in groups of ``group_size``: ``K`` a
+    multiple of the group (any ``N``: :meth:`Int4Linear.from_codes` pads the output channels)."""
+    return in_features % group_size == 0
 
 
 def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None, fmt: WeightFormat,
                     rows: bool = False) -> nn.Module:
     """A quantized linear layer of ``weight`` ``[N, K]`` (float) in ``fmt`` (int8 or int4), checked.
-    An int4 weight the kernel cannot pack (:func:`int4_packable`) becomes int8 (the caller logs it)."""
+    An int4 weight the kernel cannot pack (:func:`int4_packable`: ``K`` not a multiple of the group) becomes int8
+    (the caller logs it)."""
     if fmt.name == "int4" and not int4_packable(*weight.shape, fmt.group_size):
         return Int8Linear.from_float(weight, bias)
     if fmt.name == "int8":
@@ -477,8 +509,8 @@ def quantize_linears(module: nn.Module, fmt: WeightFormat | str, skip: tuple[str
 
     Generic over decoders (Llama family, Whisper's decoder): activations passed to these layers are cast to
     bfloat16 and their outputs are bfloat16, so the caller runs the module's other parameters in bfloat16.
-    Layers the int4 kernel cannot pack (``in_features`` not a multiple of the group size, ``out_features`` not
-    a multiple of 16) stay unquantized (counted out).
+    Layers the int4 kernel cannot pack (``in_features`` not a multiple of the group size) stay unquantized
+    (counted out).
     ``skip``: attribute names left alone (e.g. ``("lm_head",)`` when handled with the embedding).
     Returns the number of layers quantized.
 
@@ -516,6 +548,8 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
         return None
     if len({l.bias is None for l in layers}) != 1:
         return None
+    if any(getattr(l, "packed_out_features", l.out_features) != l.out_features for l in layers):
+        return None  # padded channels would land between the layers' outputs
     bias = None if layers[0].bias is None else torch.cat([l.bias for l in layers])
     first = layers[0]
     if isinstance(first, Int8Linear):

@@ -451,7 +451,7 @@ def convert_gguf_quantized(src: str | os.PathLike, dst: str | os.PathLike, label
                 log.info("%s: %s tensors de-quantized one at a time and re-quantized to %s%s", src.name, qtype,
                          fmt.label, " (Q8_0's per-block scales are not per-channel int8)" if qtype == "Q8_0" else "")
             packable = int4_packable(*info.shape, fmt.group_size) if fmt.name == "int4" else False
-            if fmt.name == "int8" or not packable:  # int4 the kernel cannot pack (N % 16, K % group): int8
+            if fmt.name == "int8" or not packable:  # int4 the kernel cannot pack (K % group): int8
                 q8, s8 = quantize_int8(w)
                 out[info.hf_name + ".int8"], out[info.hf_name + ".scales"] = q8, s8
                 if fmt.name == "int4":

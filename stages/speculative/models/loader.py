@@ -200,7 +200,7 @@ def _load_quantized(model, files: list[Path], names: dict[str, tuple[Path, str]]
         if parts is None:
             w = read(weight_name)
             if fmt.name == "int4" and not int4_packable(*w.shape, fmt.group_size):
-                log.info("%s %s: not packable as int4 by PyTorch's kernel (N %% 16, K %% group); int8",
+                log.info("%s %s: not packable as int4 (K %% group); int8",
                          weight_name, tuple(w.shape))
             return quantize_float(w, bias, fmt, rows)
         if "int8" in parts:  # int8 checkpoints, and int4 ones' weights the int4 kernel cannot pack
@@ -211,7 +211,7 @@ def _load_quantized(model, files: list[Path], names: dict[str, tuple[Path, str]]
         q = torch.stack([b & 15, b >> 4], -1).reshape(b.shape[0], -1)
         sz = get(parts["scales_and_zeros"])
         if not int4_packable(q.shape[0], q.shape[1], fmt.group_size):
-            log.info("%s %s: not packable as int4 by PyTorch's kernel (N %% 16, K %% group); int8", weight_name,
+            log.info("%s %s: not packable as int4 (K %% group); int8", weight_name,
                      tuple(q.shape))
             return Int8Linear.from_float(dequantize_int4(q, sz), bias)
         return Int4Linear.from_codes(q, sz, bias, fmt.group_size, rows=rows)

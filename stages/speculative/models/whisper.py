@@ -442,8 +442,13 @@ def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str) 
     """Cast ``module`` (a Whisper encoder or decoder) to the weight precision ``dtype``, in place: a float dtype
     (float32, bfloat16, float16) casts every tensor; int8 / int4 (:func:`dtypes.weight_format`) quantize every
     ``nn.Linear`` through :func:`specstream.kernels.quant.quantize_linears` (weight-only, per output channel for
-    int8, in groups for int4) and run the rest (embeddings, layer norms, convolutions) and the activations in
-    bfloat16, as the Llama decoders do.
+    int8, in groups for int4) and run the rest (embeddings, layer norms, convolutions, attention) and the
+    activations in bfloat16 where the device has bfloat16 arithmetic (:func:`~specstream.kernels.quant.native_bf16`),
+    in float32 elsewhere: on an AVX2-only CPU, PyTorch's bfloat16 attention converts in software, and tiny.en's
+    cross-attention over 1,500 frames took 1.25 ms a layer in bfloat16 against 0.17 ms in float32, so int4 weights
+    with bfloat16 activations decoded no faster than float32 and encoded at half its speed
+    (``docs/benchmarks.md``). The quantized layers take and give float32 there, rounding the activations to
+    bfloat16 only inside the product.
 
     Raises:
         UnsupportedDtypeError: a precision ``device`` cannot run; QuantKernelError: a packed kernel disagrees with
@@ -454,10 +459,11 @@ def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str) 
     if dtype == AUTO:
         dtype = auto_weight_dtype(device)
     if dtype in ("int8", "int4") or (isinstance(dtype, str) and dtype.startswith("int4-")):
-        from specstream.kernels.quant import quantize_linears
+        from specstream.kernels.quant import native_bf16, quantize_linears
 
         fmt = weight_format(dtype, device)
-        module.to(torch.bfloat16)
+        if native_bf16(device):
+            module.to(torch.bfloat16)
         quantize_linears(module, fmt)
     else:
         module.to(parse_dtype(dtype))
@@ -467,7 +473,7 @@ def load_whisper_decoder(checkpoint, dtype: str | torch.dtype = "float32", devic
     """Build a :class:`WhisperDecoder` from a Hugging Face Whisper checkpoint (dir, hub id or ``Checkpoint``).
 
     Every decoder tensor must be present (strict); the output projection is tied to the token embeddings (at int8
-    / int4 the projection is a quantized copy; the embedding table stays bfloat16). ``dtype``: float32, bfloat16,
+    / int4 the projection is a quantized copy; the embedding table stays in the activation dtype). ``dtype``: float32, bfloat16,
     float16, int8, int4 (:func:`_weight_precision`); the KV cache and activations follow the embedding's dtype.
 
     Raises:
@@ -506,7 +512,8 @@ def load_whisper_encoder(checkpoint, dtype: str | torch.dtype = "float32", devic
     """Hugging Face's ``WhisperEncoder`` with the checkpoint's ``model.encoder.*`` weights (strict).
 
     Input: log-mel features ``[B, num_mel_bins, 2 * max_source_positions]``; output ``last_hidden_state``
-    ``[B, max_source_positions, d_model]`` (bfloat16 at int8 / int4: :func:`_weight_precision`).
+    ``[B, max_source_positions, d_model]`` (bfloat16 at int8 / int4 where the device has bfloat16 arithmetic:
+    :func:`_weight_precision`).
 
     Raises:
         CheckpointNotFoundError, UnsupportedArchitectureError, UnsupportedDtypeError.
