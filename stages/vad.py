@@ -105,20 +105,26 @@ class StreamingVad:
         return self.frames * FRAME / SAMPLE_RATE
 
     def accept(self, samples: np.ndarray) -> None:
-        """Analyse ``samples`` ``[n]`` float32 16 kHz (continuing the stream)."""
+        """Analyse ``samples`` ``[n]`` float32 16 kHz (continuing the stream).
+
+        The model is recurrent, so its frames run one call each, in order; everything else (each frame's
+        64-sample context, its RMS, the speech flags) is computed for all frames of the chunk at once: that was
+        about a third of the VAD's time on an offline recording (0.45 s for 62 s of audio on a 2-core EPYC)."""
         buf = np.concatenate([self._pending, np.asarray(samples, dtype=np.float32)])
         n = len(buf) // FRAME
-        for i in range(n):
-            frame = buf[i * FRAME:(i + 1) * FRAME]
-            x = np.concatenate([self._context, frame[None]], axis=1)
-            with _RUN_LOCK:
-                out, self._state = self._sess.run(None, {"input": x, "state": self._state,
-                                                         "sr": np.array(SAMPLE_RATE, dtype=np.int64)})
-            self._context = x[:, -CONTEXT:]
-            p = float(out.reshape(-1)[0])
-            rms = float(np.sqrt(np.mean(frame * frame)))
-            self.probs.append(p)
-            self.speech.append(p >= self.config.threshold and rms >= self.config.min_rms)
+        if n:
+            frames = buf[:n * FRAME].reshape(n, FRAME)
+            inputs = np.concatenate([np.concatenate([self._context, frames[:-1, -CONTEXT:]]), frames], axis=1)
+            rms = np.sqrt(np.mean(frames * frames, axis=1))  # [n]
+            sr = np.array(SAMPLE_RATE, dtype=np.int64)
+            state, probs = self._state, np.empty(n, dtype=np.float32)
+            for i in range(n):
+                with _RUN_LOCK:
+                    out, state = self._sess.run(None, {"input": inputs[i:i + 1], "state": state, "sr": sr})
+                probs[i] = out.reshape(-1)[0]
+            self._state, self._context = state, frames[-1:, -CONTEXT:].copy()
+            self.probs.extend(probs.tolist())
+            self.speech.extend(((probs >= self.config.threshold) & (rms >= self.config.min_rms)).tolist())
         self._pending = buf[n * FRAME:].copy()
 
     def has_speech(self, start_s: float, end_s: float) -> bool:

@@ -1,0 +1,52 @@
+"""Silero VAD as streamed by :class:`specstream.stages.vad.StreamingVad`: each frame's probability equals a plain
+frame-by-frame run of the ONNX model (its 64-sample context taken from the audio before it), whatever the chunk
+sizes the stream arrives in, and the speech flags follow the spoken spans of an espeak-ng recording."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from live_fixtures import compose
+from specstream.stages.vad import CONTEXT, FRAME, SAMPLE_RATE, StreamingVad, _session
+
+
+@pytest.fixture(scope="module")
+def rec(tmp_path_factory):
+    return compose(tmp_path_factory.mktemp("vad"), ["Please call Stella.", "We will meet at nine."], [1.5, 1.0],
+                   lead_s=1.0)
+
+
+def _frame_by_frame(audio: np.ndarray) -> list[float]:
+    """The model's probabilities, one frame at a time, as Silero's own loop feeds it."""
+    sess, state = _session(), np.zeros((2, 1, 128), np.float32)
+    context, probs = np.zeros((1, CONTEXT), np.float32), []
+    for i in range(len(audio) // FRAME):
+        x = np.concatenate([context, audio[None, i * FRAME:(i + 1) * FRAME]], axis=1)
+        out, state = sess.run(None, {"input": x, "state": state, "sr": np.array(SAMPLE_RATE, np.int64)})
+        context = x[:, -CONTEXT:]
+        probs.append(float(out.reshape(-1)[0]))
+    return probs
+
+
+def test_probabilities_equal_the_models_own_loop_for_any_chunk_size(rec):
+    want = _frame_by_frame(rec.audio)
+    for chunk in (len(rec.audio), 160, 1234, FRAME):
+        vad = StreamingVad()
+        for i in range(0, len(rec.audio), chunk):
+            vad.accept(rec.audio[i:i + chunk])
+        assert vad.frames == len(rec.audio) // FRAME
+        assert np.array_equal(np.float32(vad.probs), np.float32(want)), chunk
+
+
+def test_speech_flags_follow_the_spoken_spans(rec):
+    vad = StreamingVad()
+    vad.accept(rec.audio)
+    for start, end in rec.spans:
+        assert vad.has_speech(start, end)
+        middle = (start + end) / 2
+        assert vad.speech[int(middle * SAMPLE_RATE) // FRAME]
+    assert not vad.has_speech(0.0, rec.spans[0][0] - 0.1)  # the leading digital silence (RMS floor)
+    gap_end = rec.spans[1][0]
+    assert vad.speech_offsets(rec.spans[0][0], gap_end)  # the first sentence's region ended in the pause
+    assert vad.last_speech_end_s() == pytest.approx(rec.spans[1][1], abs=0.5)
