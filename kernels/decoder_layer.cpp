@@ -232,6 +232,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer", &layer::decoder_layer, "one int4 decoder layer (see decoder_layer.cpp)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("int4_mm", &int4::int4_mm, "the int4 product of int4_vnni.cpp", pybind11::arg("x"), pybind11::arg("packed"),
-        pybind11::arg("prefetch") = int4::kPrefetchGroups);
+        pybind11::arg("prefetch") = int4::kPrefetchGroups, pybind11::arg("bias") = pybind11::none());
   m.def("row_attention", &rowattn::row_attention, "the row-invariant attention of row_attention.cpp");
 }

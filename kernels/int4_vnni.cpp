@@ -19,7 +19,7 @@
 //                                      column 32g + 8j + i in its low nibble and 32g + 8j + 4 + i in its high one
 //   scales [N/16, K/32, 16] bf16       w = (q - 8) * scale + zero, q in 0..15 (PyTorch's int4 convention)
 //   zeros  [N/16, K/32, 16] bf16
-//   x      [M, K] bf16                 -> y [M, N] bf16
+//   x      [M, K] bf16 (or float32)    -> y [M, N] bf16 (float32)
 //
 // Row invariance: every activation row goes through the same instructions in the same order whatever M is and
 // whichever rows share its tile, and threads split output channels only (never K), so a row's result does not
@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace int4 {
 namespace {
@@ -232,32 +233,56 @@ void check(bool ok, const char* what) { TORCH_CHECK(ok, "int4_vnni: ", what); }
 
 }  // namespace
 
-// y [M, N] bf16 = x [M, K] bf16 @ ((codes - 8) * scales + zeros)^T, layout above
-torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, int64_t prefetch) {
+// y [M, N] = x [M, K] @ ((codes - 8) * scales + zeros)^T (+ bias), layout above. x bf16 gives y bf16; x float32
+// is rounded to bf16 as it is read (round to nearest even, as PyTorch's conversion: the same activation codes as
+// x.to(bfloat16) would give) and gives y float32, the accumulator itself, plus the optional bias [N] float32
+// (no rounding to bf16 in between: a float32 model keeps its activations in float32 around the product).
+torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, int64_t prefetch,
+                      c10::optional<torch::Tensor> bias = c10::nullopt) {
   check(prefetch == 0 || prefetch == kPrefetchGroups, "prefetch must be 0 or 8");
   check(x.device().is_cpu() && packed.device().is_cpu(), "x and packed must be CPU tensors");
-  check(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(),
-        "x must be [M, K] contiguous bf16");
+  const bool f32 = x.scalar_type() == torch::kFloat;
+  check(x.dim() == 2 && (f32 || x.scalar_type() == torch::kBFloat16) && x.is_contiguous(),
+        "x must be [M, K] contiguous bf16 or float32");
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
   check(K % kGroup == 0, "K must be a multiple of 32");
   check(packed.dim() == 3 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
             packed.size(1) == G && packed.size(2) == kGroupBytes,
         "packed must be [N/16, K/32, 320] contiguous uint8");
   const int64_t B = packed.size(0), N = B * kLanes;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check(f32, "a bias is added in the float32 product only");
+    check(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat && bias->is_contiguous(),
+          "bias must be [N] contiguous float32 (N: the packed output channels)");
+    bp = bias->data_ptr<float>();
+  }
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   auto xd = torch::empty({M, G}, x.options().dtype(torch::kFloat));
   auto xg = torch::empty({M, G}, x.options().dtype(torch::kFloat));
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   int8_t* xqp = xq.data_ptr<int8_t>();
   float* xdp = xd.data_ptr<float>();
   float* xgp = xg.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, xqp + m * K, xdp + m * G, xgp + m * G);
-  });
+  if (f32) {
+    const float* xf = x.data_ptr<float>();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      std::vector<uint16_t> row(K);
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t k = 0; k < K; k += kLanes) simd::store_bf16(row.data() + k, simd::loadf(xf + m * K + k));
+        quantize_row(row.data(), K, xqp + m * K, xdp + m * G, xgp + m * G);
+      }
+    });
+  } else {
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, xqp + m * K, xdp + m * G, xgp + m * G);
+    });
+  }
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  uint16_t* yp = f32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
+  float* yf = f32 ? y.data_ptr<float>() : nullptr;
   const BlockFn* blocks = prefetch ? Blocks<kPrefetchGroups>::fn : Blocks<0>::fn;
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     float tile[kMaxTile * kLanes];
@@ -266,8 +291,13 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, int64_t prefetch) {
       for (int64_t m = 0; m < M; m += kMaxTile) {
         const int rows = int(std::min<int64_t>(kMaxTile, M - m));
         blocks[rows - 1](wb, xqp + m * K, xdp + m * G, xgp + m * G, K, tile, kLanes);
-        for (int r = 0; r < rows; ++r)
-          simd::store_bf16(yp + (m + r) * N + b * kLanes, simd::loadf(tile + r * kLanes));
+        for (int r = 0; r < rows; ++r) {
+          const simd::F16 t = simd::loadf(tile + r * kLanes);
+          if (f32)
+            simd::storef(yf + (m + r) * N + b * kLanes, bp ? simd::add(t, simd::loadf(bp + b * kLanes)) : t);
+          else
+            simd::store_bf16(yp + (m + r) * N + b * kLanes, t);
+        }
       }
     }
   });
@@ -281,7 +311,9 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, int64_t prefetch) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &simd::parallel_threads, "threads at::parallel_for spreads n items over");
   m.attr("isa") = simd::kIsa;
-  m.def("int4_mm", &int4::int4_mm, "y[M,N] bf16 = x[M,K] bf16 @ ((codes - 8) * scales + zeros)^T",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("prefetch") = int4::kPrefetchGroups);
+  m.def("int4_mm", &int4::int4_mm,
+        "y[M,N] = x[M,K] @ ((codes - 8) * scales + zeros)^T (+ bias): bf16 -> bf16, float32 -> float32",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("prefetch") = int4::kPrefetchGroups,
+        pybind11::arg("bias") = pybind11::none());
 }
 #endif

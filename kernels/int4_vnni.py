@@ -318,16 +318,19 @@ def scales_zeros(packed: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
     return sz[..., 0].reshape(*ids.shape, g), sz[..., 1].reshape(*ids.shape, g)
 
 
-def mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[M, K]`` bfloat16 (contiguous) times the weights of ``packed`` (:func:`pack`): ``[M, N]`` bfloat16.
+def mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` ``[M, K]`` (contiguous) times the weights of ``packed`` (:func:`pack`): ``[M, N]``, bfloat16 for a
+    bfloat16 ``x``; for a float32 ``x``, float32 (the activations rounded to bfloat16 as they are read, the same
+    codes as ``x.to(torch.bfloat16)``; the product and ``bias`` ``[N]`` float32 added without rounding).
 
     Raises:
         Int4KernelUnavailable: the kernel is not available here (:func:`available`).
+        RuntimeError: a bias with a bfloat16 ``x``, or bad shapes (the kernel's check).
     """
     ext = _load()
     if isinstance(ext, str):
         raise Int4KernelUnavailable(ext)
-    return ext.int4_mm(x, packed, prefetch_distance(x.shape[0]))
+    return ext.int4_mm(x, packed, prefetch_distance(x.shape[0]), bias)
 
 
 #: the software prefetch distances the kernel is built with (groups ahead; 0: the hardware prefetcher alone)

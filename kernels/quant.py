@@ -327,6 +327,12 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
         self.register_buffer("row_codes", None)  # [N, K/2] uint8, only where the packed layout cannot be gathered
+        # the bias the vnni kernel adds to a float32 product, padded to the packed channels (not saved)
+        bias32 = None
+        if bias is not None and layout == "vnni":
+            bias32 = torch.zeros(self.packed_out_features, dtype=torch.float32, device=bias.device)
+            bias32[:out_features] = self.bias.float()
+        self.register_buffer("bias32", bias32, persistent=False)
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
@@ -419,6 +425,15 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.layout == "vnni" and x.dtype == torch.float32:
+            # float32 activations: the kernel reads them (rounded to bf16 as it goes), adds the bias and gives
+            # float32 back in one call, instead of a conversion, a bias add and a conversion around it
+            from specstream.kernels import int4_vnni
+
+            y = int4_vnni.mm(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias32)
+            if self.packed_out_features != self.out_features:
+                y = y[:, :self.out_features]
+            return y.reshape(*shape[:-1], self.out_features)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         if self.layout == "vnni":
             from specstream.kernels import int4_vnni

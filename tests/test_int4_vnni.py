@@ -75,8 +75,32 @@ def test_empty_batch_and_shape_errors():
     assert int4_vnni.mm(torch.empty(0, 64, dtype=torch.bfloat16), packed).shape == (0, 32)
     with pytest.raises(RuntimeError, match="packed must be"):
         int4_vnni.mm(torch.zeros(2, 96, dtype=torch.bfloat16), packed)
-    with pytest.raises(RuntimeError, match="contiguous bf16"):
-        int4_vnni.mm(torch.zeros(2, 64), packed)
+    with pytest.raises(RuntimeError, match="contiguous bf16 or float32"):
+        int4_vnni.mm(torch.zeros(2, 64, dtype=torch.float16), packed)
+    with pytest.raises(RuntimeError, match="float32 product only"):
+        int4_vnni.mm(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(32))
+    with pytest.raises(RuntimeError, match="bias must be"):
+        int4_vnni.mm(torch.zeros(2, 64), packed, torch.zeros(31))
+
+
+@needs_vnni
+def test_float32_activations_read_as_their_bf16_rounding_and_give_the_accumulator():
+    """A float32 ``x`` gives the same activation codes as ``x.to(bfloat16)`` (so the product rounded to bf16
+    equals the bf16 call's bit for bit), a float32 result, the bias added in float32, and rows that do not depend
+    on their neighbours."""
+    q, sz = _codes(256, 1536, seed=6)
+    packed = int4_vnni.pack(q, sz)
+    x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(7))  # not bf16-representable
+    x[3, 40] = float("nan")
+    y = int4_vnni.mm(x, packed)
+    assert y.dtype == torch.float32 and y.shape == (13, 256)
+    finite = [i for i in range(13) if i != 3]
+    assert torch.equal(y[finite].bfloat16(), int4_vnni.mm(x.bfloat16(), packed)[finite])
+    assert torch.isnan(y[3]).all()
+    bias = torch.randn(256, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(int4_vnni.mm(x, packed, bias)[finite], (y + bias)[finite])
+    for i in (0, 5, 12):
+        assert torch.equal(int4_vnni.mm(x[i:i + 1].contiguous(), packed, bias)[0], (y + bias)[i])
 
 
 @needs_vnni

@@ -208,15 +208,20 @@ def test_int4_packs_an_output_size_that_is_not_a_multiple_of_16(n):
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_quantized_layers_give_float32_activations_back_in_float32(dtype):
     """A model that keeps float32 activations around quantized weights (Whisper on a CPU without bfloat16
-    arithmetic) gets float32 back: the product rounds the input to bfloat16, nothing else does."""
+    arithmetic) gets float32 back: the product reads the input rounded to bfloat16; this project's int4 kernel
+    gives its float32 accumulator plus the bias, without rounding it to bfloat16 first."""
     from specstream.kernels.quant import parse_weight_format, quantize_weight
 
     w, xb = _weights(64, 64, seed=5)
-    layer = quantize_weight(w, torch.ones(64), parse_weight_format(dtype))
+    bias = torch.linspace(-1, 1, 64)
+    layer = quantize_weight(w, bias, parse_weight_format(dtype))
     x = xb.float()
     y32, y16 = layer(x), layer(xb)
-    assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16
-    assert torch.equal(y32.bfloat16(), y16)
+    assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16 and y32.shape == (3, 64)
+    ref = x @ layer.dequantized().t() + bias.bfloat16().float()
+    assert (y32 - ref).abs().max() <= KERNEL_TOLERANCE * ref.abs().max()
+    assert torch.equal(y32.bfloat16(), y16) if isinstance(layer, Int8Linear) else \
+        (y32 - y16.float()).abs().max() <= 2**-8 * y32.abs().max()
 
 
 @pytest.fixture(scope="module")

@@ -32,9 +32,10 @@ def test_every_linear_layer_is_quantized(sm8):
     kind = Int8Linear if sm8.decoder.model.decoder.layers[0].fc1.__class__ is Int8Linear else Int4Linear
     dec = [m for m in sm8.decoder.modules() if isinstance(m, kind)]
     enc = [m for m in sm8.encoder.modules() if isinstance(m, kind)]
-    # tiny.en: 4 decoder layers x (4 self-attention + 4 cross-attention + 2 MLP) + the output projection;
-    # 4 encoder layers x (4 attention + 2 MLP)
-    assert (len(dec), len(enc)) == (41, 24)
+    # tiny.en: 4 decoder layers x (self-attention q/k/v fused in one, its output, 4 cross-attention, 2 MLP) + the
+    # output projection; 4 encoder layers x (4 attention + 2 MLP)
+    assert (len(dec), len(enc)) == (33, 24)
+    assert all(isinstance(layer.self_attn.qkv_proj, kind) for layer in sm8.decoder.model.decoder.layers)
     assert isinstance(sm8.decoder.proj_out, kind) and sm8.decoder.proj_out.out_features == 51864
     assert sm8.decoder.dtype == sm8.decoder.model.decoder.embed_tokens.weight.dtype
     # bfloat16 activations only with bfloat16 arithmetic; on an AVX2-only CPU they were bfloat16 before, and
@@ -62,3 +63,18 @@ def test_transcribe_command_takes_int8(spoken, capsys):
     assert transcribe_main([str(spoken[1]), "--dtype", "int8", "--without-timestamps", "--no-vad-filter"]) == 0
     out = capsys.readouterr().out
     assert "Please call Stella and ask her to bring these things with her from the store." in out
+
+
+def test_fused_self_attention_projections_change_no_bit(sm8, monkeypatch):
+    """One q/k/v product per layer instead of three (the key projection given a zero bias) gives the decoder's
+    logits and alignment scores bit for bit."""
+    from specstream.stages.speculative.models import whisper
+
+    monkeypatch.setattr(whisper.WhisperDecoder, "fuse_projections", lambda self: 0)
+    kind = "int8" if isinstance(sm8.decoder.proj_out, Int8Linear) else "int4"
+    plain = whisper.load_whisper_decoder(sm8.checkpoint, kind)
+    assert plain.model.decoder.layers[0].self_attn.qkv_proj is None
+    enc = sm8.project(sm8.encode(torch.zeros(sm8.num_mel_bins, 3000)))[0]
+    ids = sm8.sot_sequence() + [440, 2068, 7586, 21831]
+    got, want = sm8.decoder.cross_attention_scores(enc, ids, [(2, 1)]), plain.cross_attention_scores(enc, ids, [(2, 1)])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specstream.pipeline.bench.harness import pyplot, save_figure, tests_dir_on_path, write_results
+from specstream.pipeline.bench.harness import (machine_info, machine_line, pyplot, save_figure, tests_dir_on_path,
+                                               write_results)
 
 
 def _pass_mean(passes) -> float | None:
@@ -191,6 +192,8 @@ def bench_subtitles_main(argv: list[str]) -> int:
     parser.add_argument("--paces", default="1,inf", help="paces: 1 (real time), inf (all at once), comma list")
     parser.add_argument("--hop-s", type=float, default=None, help="audio between passes (default StreamConfig's)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--dtype", default="float32",
+                        help="Whisper weight precision (float32, bfloat16, int8, int4, auto), as serve --speech-dtype")
     parser.add_argument("--streams", default="", help="concurrent real-time stream counts (comma list; empty: skip)")
     parser.add_argument("--no-faster-whisper", action="store_true",
                         help="skip the faster-whisper reference transcription of each recording")
@@ -223,12 +226,16 @@ def bench_subtitles_main(argv: list[str]) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    out: dict = {"date": datetime.date.today().isoformat(), "torch_threads": torch.get_num_threads(),
+    info = machine_info(torch.get_num_threads())
+    log(f"{machine_line(info)}; Whisper weights {args.dtype}")
+    out: dict = {"date": datetime.date.today().isoformat(), "cpu": info["cpu"],
+                 "read_bandwidth": info["read_bandwidth"], "dtype": args.dtype,
+                 "torch_threads": torch.get_num_threads(),
                  "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0], "hop_s": hop,
                  "default_agree_span_s": base.agree_span_s, "max_final_gap_setting_s": base.max_final_gap_s,
                  "recordings": {k: round(r.duration_s, 2) for k, r in recs.items()}, "runs": [], "models": {}}
     for model_name in [x for x in args.models.split(",") if x]:
-        sm = SpeechModel.load(model_name)
+        sm = SpeechModel.load(model_name, dtype=args.dtype)
         m: dict = {"offline": {}, "faster_whisper": {}, "drafts": {}, "logprobs_cost": None}
         out["models"][model_name] = m
         for rname, rec in recs.items():

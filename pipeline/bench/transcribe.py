@@ -15,8 +15,9 @@ Per model (tiny.en, whisper-base) and espeak-ng recording whose text is known (t
    latest audio, each decoded with timestamps, drafted (spec on) from the previous pass's tokens by the temporal
    drafter (the hypothesis drafter first, then n-grams). Encoder work is the same either way and is excluded: the
    decode wall time of all passes, on vs off, alternating, and whether every pass gave the same tokens.
-3. **profile**: one more transcription per configuration with the encoder, the decoder's forwards and the rest
-   (drafting, logits processors, verification, commit, scheduling: host time) timed apart, per target step.
+3. **profile**: one more transcription per configuration of ours (each precision) with the encoder, the
+   decoder's forwards and the rest (drafting, logits processors, verification, commit, scheduling: host time)
+   timed apart, per target step.
 
 Prints the CPU model and one JSON object; ``--out DIR`` writes ``bench_transcribe.json`` and
 ``bench_transcribe.md`` there (docs/benchmarks.md quotes the table). The machine's load is recorded (load average
@@ -186,14 +187,16 @@ def bench_transcribe_main(argv: list[str]) -> int:
                  "recordings": {k: round(r.duration_s, 2) for k, r in recs.items()}, "models": {}}
     for model_name in models:
         configs: dict = {}
+        loaded: dict = {}  # " int4" (the configurations' suffix) -> its model: each precision is profiled too
         for dt in dtypes:
             sm = SpeechModel.load(model_name, dtype=dt)
             suffix = "" if dt == "float32" else f" {dt}"
+            loaded[suffix] = sm
             for spec in (False, True):
                 configs[f"ours spec {'on' if spec else 'off'}{suffix}"] = functools.partial(
                     lambda audio, sm=sm, spec=spec: transcribe(audio, sm, language="en", speculate=spec,
                                                                drafter="ngram" if spec else "none").text)
-        sm = SpeechModel.load(model_name)  # float32: the passes and the profile
+        sm = loaded.get("") or SpeechModel.load(model_name)  # float32: the passes
         if not args.no_faster_whisper:
             for ct in ("float32", "int8"):
                 fw = _faster_whisper(sm, ct, args.threads)
@@ -228,8 +231,8 @@ def bench_transcribe_main(argv: list[str]) -> int:
             for name, row in rows.items():
                 log(f"{model_name} {rname} ({dur:.1f} s) {name}: WER {row['wer']}, RTF {row['rtf_median']}, "
                     f"x{row['x_vs_ours_off']} vs ours off, x{row.get('x_vs_fw_int8')} vs fw int8")
-            m["profile"][rname] = {f"spec {'on' if s else 'off'}": profile_transcribe(sm, rec.audio, s)
-                                   for s in (False, True)}
+            m["profile"][rname] = {f"spec {'on' if s else 'off'}{suffix}": profile_transcribe(smx, rec.audio, s)
+                                   for suffix, smx in loaded.items() for s in (False, True)}
             log(f"  profile: {m['profile'][rname]}")
             if not (args.no_passes or args.quick):
                 windows = live_passes(sm, rec.audio, args.hop_s, args.pass_window_s)
@@ -279,7 +282,7 @@ def markdown(out: dict) -> str:
                         [[model, rname, p["passes"], p["decode_s_off"], p["decode_s_on"], p["x_on_vs_off"],
                           f"{p['steps_off']} / {p['steps_on']}", p["identical_tokens"]]
                          for model, m in out["models"].items() for rname, p in m["passes"].items()])]
-    lines += ["", "Per-step profile of one transcription (float32):", "",
+    lines += ["", "Per-step profile of one transcription per configuration:", "",
               *md_table(["model", "recording", "speculation", "wall s", "encoder s", "decoder forwards s",
                          "decode host ms/step", "forward ms/step", "target steps", "tokens"],
                         [[model, rname, name, p["wall_s"], p["encoder_s"], p["decoder_forward_s"],

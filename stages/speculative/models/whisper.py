@@ -157,15 +157,28 @@ class _WhisperAttention(nn.Module):
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         bsz, t, _ = x.shape
-        return x.view(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
+        return x.reshape(bsz, t, self.num_heads, self.head_dim).transpose(1, 2)
 
 
 class WhisperSelfAttention(_WhisperAttention):
-    """Masked self-attention over the slot's cache columns (tree masks come from the caller)."""
+    """Masked self-attention over the slot's cache columns (tree masks come from the caller).
+
+    ``qkv_proj``: the three projections as one quantized layer (:meth:`WhisperDecoder.fuse_projections`), or
+    None (then ``q_proj``, ``k_proj``, ``v_proj``)."""
+
+    def __init__(self, cfg: WhisperDecoderConfig, layer: int):
+        super().__init__(cfg, layer)
+        self.register_module("qkv_proj", None)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values ``[B, H, T, head_dim]`` of ``x`` ``[B, T, d_model]``."""
+        if self.qkv_proj is not None:
+            return tuple(self._heads(p) for p in self.qkv_proj(x).chunk(3, -1))
+        return self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
 
     def forward(self, x, cache: WhisperKVCache, batch: ForwardBatch, key_len: int, mask: torch.Tensor):
         bsz, t, _ = x.shape
-        q, k, v = self._heads(self.q_proj(x)), self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+        q, k, v = self.qkv(x)
         cache.write(self.layer, batch.slots, batch.write_index, k, v)
         keys, values = cache.read(self.layer, batch.read_slots, key_len)
         want = self.layer in batch.attention_layers
@@ -265,6 +278,31 @@ class WhisperDecoder(nn.Module):
 
     def tie_weights(self) -> None:
         self.proj_out.weight = self.model.decoder.embed_tokens.weight
+
+    def fuse_projections(self) -> int:
+        """Replace each layer's quantized self-attention ``q``/``k``/``v`` projections by one ``qkv_proj``
+        (:func:`specstream.kernels.quant.fuse_linears`: bit-identical outputs, one kernel call instead of three:
+        at tiny.en's width a quantized product's call costs several times its 384 x 384 weight read). Whisper's
+        key projection has no bias; it gets a zero one, which adds exactly nothing. Returns the layers fused."""
+        from specstream.kernels.quant import fuse_linears
+
+        count = 0
+        for layer in self.model.decoder.layers:
+            sa = layer.self_attn
+            if sa.qkv_proj is not None or isinstance(sa.q_proj, nn.Linear):  # fused already, or not quantized
+                continue
+            if sa.k_proj.bias is None and sa.q_proj.bias is not None:
+                zero = torch.zeros(sa.k_proj.out_features, dtype=sa.q_proj.bias.dtype, device=sa.q_proj.bias.device)
+                sa.k_proj.register_buffer("bias", zero)
+            fused = fuse_linears([sa.q_proj, sa.k_proj, sa.v_proj])
+            if fused is None:
+                if not isinstance(sa.k_proj, nn.Linear):
+                    sa.k_proj.bias = None
+                continue
+            sa.qkv_proj = fused
+            del sa.q_proj, sa.k_proj, sa.v_proj
+            count += 1
+        return count
 
     @property
     def dtype(self) -> torch.dtype:
@@ -371,8 +409,7 @@ class WhisperDecoder(nn.Module):
         for i, layer in enumerate(dec.layers):
             sa = layer.self_attn
             h = layer.self_attn_layer_norm(x)
-            out = F.scaled_dot_product_attention(sa._heads(sa.q_proj(h)), sa._heads(sa.k_proj(h)),
-                                                 sa._heads(sa.v_proj(h)), is_causal=True, scale=sa.head_dim**-0.5)
+            out = F.scaled_dot_product_attention(*sa.qkv(h), is_causal=True, scale=sa.head_dim**-0.5)
             x = x + sa.out_proj(out.transpose(1, 2).reshape(1, n, -1))
             ca = layer.encoder_attn
             q = ca._heads(ca.q_proj(layer.encoder_attn_layer_norm(x)))
@@ -473,8 +510,10 @@ def load_whisper_decoder(checkpoint, dtype: str | torch.dtype = "float32", devic
     """Build a :class:`WhisperDecoder` from a Hugging Face Whisper checkpoint (dir, hub id or ``Checkpoint``).
 
     Every decoder tensor must be present (strict); the output projection is tied to the token embeddings (at int8
-    / int4 the projection is a quantized copy; the embedding table stays in the activation dtype). ``dtype``: float32, bfloat16,
-    float16, int8, int4 (:func:`_weight_precision`); the KV cache and activations follow the embedding's dtype.
+    / int4 the projection is a quantized copy; the embedding table stays in the activation dtype). ``dtype``:
+    float32, bfloat16, float16, int8, int4 (:func:`_weight_precision`); the KV cache and activations follow the
+    embedding's dtype. At int8 / int4 the self-attention projections are fused
+    (:meth:`WhisperDecoder.fuse_projections`).
 
     Raises:
         CheckpointNotFoundError, UnsupportedArchitectureError, UnsupportedDtypeError.
@@ -497,6 +536,7 @@ def load_whisper_decoder(checkpoint, dtype: str | torch.dtype = "float32", devic
         )
     model.tie_weights()
     _weight_precision(model, dtype, device)
+    model.fuse_projections()
     model.eval()
     from specstream.kernels.linear import pack_linears
 
