@@ -71,3 +71,24 @@ def test_ratios_with_a_missing_or_zero_baseline_and_paired_rounds():
 
 def test_read_bandwidth_is_measured():
     assert harness.read_bandwidth(1, nbytes=1 << 22, repeats=1) > 1e6  # bytes/s: some MB/s at the very least
+
+
+def test_subtitle_requirements_pair_base_with_tiny_at_the_same_precision():
+    """``bench subtitles --dtypes float32,int4`` labels its int4 rows 'MODEL int4'; the requirements still find
+    tiny.en's faster-whisper reference and compare base with tiny.en at the same precision only."""
+    from specstream.pipeline.bench.subtitles import _requirements
+
+    def row(model, dtype, wer, p95):
+        return {"model": model, "dtype": dtype, "recording": "espeak", "agree_span_s": 0.0, "pace": 1.0,
+                "speech_share": 1.0, "max_final_gap_audio_s": 2.0, "wer": wer, "final_latency_s_p95": p95}
+
+    out = {"default_agree_span_s": 0.0,
+           "models": {"tiny.en": {"faster_whisper": {"espeak": {"timestamps": 0.095, "none": 0.048}}},
+                      "tiny.en int4": {"faster_whisper": {}}, "whisper-base": {}, "whisper-base int4": {}},
+           "runs": [row("tiny.en", "float32", 0.10, 2.0), row("tiny.en int4", "int4", 0.20, 1.5),
+                    row("whisper-base", "float32", 0.05, 9.0), row("whisper-base int4", "int4", 0.10, 2.5)]}
+    req = _requirements(out)
+    assert [(r["wer"], r["wer_bound"], r["met"]) for r in req["tiny_latency_and_accuracy"]] == [
+        (0.10, 0.148, True), (0.20, 0.148, False)]
+    assert [(r["dtype"], r["wer_tiny"], r["wer_base"], r["reduction"]) for r in req["base_vs_tiny"]] == [
+        ("float32", 0.10, 0.05, 0.5), ("int4", 0.20, 0.10, 0.5)]

@@ -192,8 +192,9 @@ def bench_subtitles_main(argv: list[str]) -> int:
     parser.add_argument("--paces", default="1,inf", help="paces: 1 (real time), inf (all at once), comma list")
     parser.add_argument("--hop-s", type=float, default=None, help="audio between passes (default StreamConfig's)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--dtype", default="float32",
-                        help="Whisper weight precision (float32, bfloat16, int8, int4, auto), as serve --speech-dtype")
+    parser.add_argument("--dtypes", default="float32",
+                        help="Whisper weight precisions, comma list (float32, bfloat16, int8, int4, auto; as serve "
+                             "--speech-dtype): each model runs at each, its rows labelled 'MODEL DTYPE' but float32")
     parser.add_argument("--streams", default="", help="concurrent real-time stream counts (comma list; empty: skip)")
     parser.add_argument("--no-faster-whisper", action="store_true",
                         help="skip the faster-whisper reference transcription of each recording")
@@ -227,22 +228,25 @@ def bench_subtitles_main(argv: list[str]) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     info = machine_info(torch.get_num_threads())
-    log(f"{machine_line(info)}; Whisper weights {args.dtype}")
+    dtypes = [x.strip() for x in args.dtypes.split(",") if x.strip()]
+    log(f"{machine_line(info)}; Whisper weights {', '.join(dtypes)}")
     out: dict = {"date": datetime.date.today().isoformat(), "cpu": info["cpu"],
-                 "read_bandwidth": info["read_bandwidth"], "dtype": args.dtype,
+                 "read_bandwidth": info["read_bandwidth"], "dtypes": dtypes,
                  "torch_threads": torch.get_num_threads(),
                  "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()[0], "hop_s": hop,
                  "default_agree_span_s": base.agree_span_s, "max_final_gap_setting_s": base.max_final_gap_s,
                  "recordings": {k: round(r.duration_s, 2) for k, r in recs.items()}, "runs": [], "models": {}}
-    for model_name in [x for x in args.models.split(",") if x]:
-        sm = SpeechModel.load(model_name, dtype=args.dtype)
-        m: dict = {"offline": {}, "faster_whisper": {}, "drafts": {}, "logprobs_cost": None}
+    for model_name, dtype in [(x, d) for x in args.models.split(",") if x for d in dtypes]:
+        sm = SpeechModel.load(model_name, dtype=dtype)
+        m: dict = {"offline": {}, "faster_whisper": {}, "drafts": {}, "logprobs_cost": None, "dtype": dtype}
+        first_dtype = dtype == dtypes[0]  # faster-whisper's reference once per model
+        model_name = model_name if dtype == "float32" else f"{model_name} {dtype}"
         out["models"][model_name] = m
         for rname, rec in recs.items():
             t0 = time.perf_counter()
             m["offline"][rname] = {"wer": round(wer(rec.text, transcribe(rec.audio, sm, language="en").text), 3),
                                    "wall_s": round(time.perf_counter() - t0, 2)}
-            if not args.no_faster_whisper:
+            if not args.no_faster_whisper and first_dtype:
                 m["faster_whisper"][rname] = _faster_whisper_wer(sm, rec, wer)
             log(f"{model_name} {rname}: offline WER {m['offline'][rname]['wer']}, faster-whisper "
                 f"{m['faster_whisper'].get(rname)}")
@@ -251,7 +255,7 @@ def bench_subtitles_main(argv: list[str]) -> int:
                 for pace in paces:
                     cfg = StreamConfig(hop_s=hop, agree_span_s=span)
                     res = asyncio.run(_replay(SpeechService, sm, rec.audio, cfg, pace, replay))
-                    row = {"model": model_name, "recording": rname, "agree_span_s": span,
+                    row = {"model": model_name, "dtype": dtype, "recording": rname, "agree_span_s": span,
                            "pace": "inf" if pace is None else pace, **_summary(res, rec, wer, speech_end)}
                     out["runs"].append(row)
                     log(f"  span {span:g} pace {row['pace']}: WER {row['wer']}, share {row['speech_share']}, "
@@ -327,8 +331,12 @@ def _requirements(out: dict) -> dict:
     default = [r for r in runs if r["agree_span_s"] == out["default_agree_span_s"] and r["pace"] == 1.0]
     gaps = [r["max_final_gap_audio_s"] for r in default if r["max_final_gap_audio_s"] is not None]
     req["max_final_gap_audio_s_at_default"] = max(gaps) if gaps else None
-    tiny = [r for r in runs if r["model"] in ("tiny.en", "whisper-tiny.en") and r["pace"] == 1.0]
-    fw = out["models"].get("tiny.en", {}).get("faster_whisper", {})
+    def base_name(row: dict) -> str:  # "whisper-base int4" -> "whisper-base"
+        return row["model"].split(" ")[0]
+
+    tiny = [r for r in runs if base_name(r) in ("tiny.en", "whisper-tiny.en") and r["pace"] == 1.0]
+    fw = next((m["faster_whisper"] for label, m in out["models"].items()
+               if label.split(" ")[0] == "tiny.en" and m.get("faster_whisper")), {})
     best = []
     for r in tiny:
         ref = fw.get(r["recording"])
@@ -340,11 +348,13 @@ def _requirements(out: dict) -> dict:
     req["tiny_latency_and_accuracy"] = best or None
     pairs = []
     for r in runs:
-        if r["model"] == "whisper-base":
-            t = next((x for x in runs if x["model"] == "tiny.en" and x["recording"] == r["recording"]
-                      and x["agree_span_s"] == r["agree_span_s"] and x["pace"] == r["pace"]), None)
+        if base_name(r) == "whisper-base":
+            t = next((x for x in runs if base_name(x) == "tiny.en" and x["recording"] == r["recording"]
+                      and x["agree_span_s"] == r["agree_span_s"] and x["pace"] == r["pace"]
+                      and x.get("dtype") == r.get("dtype")), None)
             if t is not None:
-                pairs.append({"recording": r["recording"], "agree_span_s": r["agree_span_s"], "pace": r["pace"],
+                pairs.append({"dtype": r.get("dtype"), "recording": r["recording"],
+                              "agree_span_s": r["agree_span_s"], "pace": r["pace"],
                               "wer_tiny": t["wer"], "wer_base": r["wer"],
                               "reduction": round(1 - r["wer"] / t["wer"], 3) if t["wer"] else None,
                               "p95_base_s": r["final_latency_s_p95"]})
