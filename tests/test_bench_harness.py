@@ -92,3 +92,19 @@ def test_subtitle_requirements_pair_base_with_tiny_at_the_same_precision():
         (0.10, 0.148, True), (0.20, 0.148, False)]
     assert [(r["dtype"], r["wer_tiny"], r["wer_base"], r["reduction"]) for r in req["base_vs_tiny"]] == [
         ("float32", 0.10, 0.05, 0.5), ("int4", 0.20, 0.10, 0.5)]
+
+
+def test_pending_speech_gap_skips_pauses_with_nothing_to_commit():
+    """A 3-s pause between two sentences is no stall: the final after it is owed from the speech that follows."""
+    from types import SimpleNamespace
+
+    from specstream.pipeline.bench.subtitles import max_final_gap, max_pending_speech_gap
+
+    spans = [(1.0, 4.0), (7.0, 12.0)]
+    finals = [SimpleNamespace(start_s=1.0, end_s=4.0, position_s=4.5),  # owed from 1.0: 3.5
+              SimpleNamespace(start_s=7.0, end_s=9.0, position_s=9.5),  # after the pause, owed from 7.0: 2.5
+              SimpleNamespace(start_s=9.0, end_s=12.0, position_s=12.0)]  # mid-speech, owed from 9.5: 2.5
+    assert max_pending_speech_gap(finals, spans, 12.0) == 3.5
+    finals[0].position_s = 3.5  # now the longest owed stretch is within the second sentence
+    assert max_pending_speech_gap(finals, spans, 12.0) == 2.5
+    assert max_final_gap(finals, 1.0, 12.0, audio=True) == 6.0  # the raw gap counts the pause
