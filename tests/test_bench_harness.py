@@ -108,3 +108,6 @@ def test_pending_speech_gap_skips_pauses_with_nothing_to_commit():
     finals[0].position_s = 3.5  # now the longest owed stretch is within the second sentence
     assert max_pending_speech_gap(finals, spans, 12.0) == 2.5
     assert max_final_gap(finals, 1.0, 12.0, audio=True) == 6.0  # the raw gap counts the pause
+    finals[0].end_s = 3.8  # Whisper's end a little before the span's: the sentence is still covered
+    assert max_pending_speech_gap(finals, spans, 12.0) == 2.5
+    assert max_pending_speech_gap(finals, spans, 12.0, tolerance_s=0.1) == 5.7  # else owed from 3.8 to 9.5

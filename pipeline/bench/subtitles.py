@@ -59,12 +59,15 @@ def max_final_gap(finals, speech_start_s: float, speech_end_s: float, audio: boo
     return round(float(max(np.diff(times))), 2) if len(times) > 1 else None
 
 
-def max_pending_speech_gap(finals, spans: list[tuple[float, float]], speech_end_s: float) -> float | None:
+def max_pending_speech_gap(finals, spans: list[tuple[float, float]], speech_end_s: float,
+                           tolerance_s: float = 0.5) -> float | None:
     """Longest audio a final was owed while speech was pending (what ``max_final_gap_s`` bounds): between two
     consecutive finals, from the later of the first one's commit position and the first speech after its end (the
-    recording's spoken ``spans``) to the next one's commit position; the first final is owed from the start of
-    speech. Unlike :func:`max_final_gap` (audio), a pause with nothing left to commit does not count: the
-    bulletin has pauses of up to 3 s between sentences, which alone make a gap of that length."""
+    recording's spoken ``spans``; a span reaching at most ``tolerance_s`` past a final's end counts as covered by
+    it, as in :func:`speech_share`: Whisper's timestamps and the spans' -60 dBFS edges differ by a few tenths) to
+    the next one's commit position; the first final is owed from the start of speech. Unlike
+    :func:`max_final_gap` (audio), a pause with nothing left to commit does not count: the bulletin has pauses of
+    up to 3 s between sentences, which alone make a gap of that length."""
     fs = sorted((f for f in finals if f.position_s is not None and f.position_s <= speech_end_s),
                 key=lambda f: f.position_s)
     if not fs or not spans:
@@ -72,7 +75,7 @@ def max_pending_speech_gap(finals, spans: list[tuple[float, float]], speech_end_
     gaps, owed_from = [], spans[0][0]
     for f in fs:
         gaps.append(max(0.0, f.position_s - owed_from))
-        after = [max(a, f.end_s) for a, b in spans if b > f.end_s]  # the first speech after this final's end
+        after = [max(a, f.end_s) for a, b in spans if b > f.end_s + tolerance_s]  # speech after this final
         owed_from = max(f.position_s, min(after)) if after else float("inf")
     return round(max(gaps), 2)
 
