@@ -253,8 +253,9 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, int64_t prefetch,
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     check(f32, "a bias is added in the float32 product only");
-    check(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == torch::kFloat && bias->is_contiguous(),
-          "bias must be [N] contiguous float32 (N: the packed output channels)");
+    check(bias->device().is_cpu() && bias->dim() == 1 && bias->size(0) == N &&
+              bias->scalar_type() == torch::kFloat && bias->is_contiguous(),
+          "bias must be [N] contiguous float32 on the CPU (N: the packed output channels)");
     bp = bias->data_ptr<float>();
   }
   auto y = torch::empty({M, N}, x.options());

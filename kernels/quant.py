@@ -209,11 +209,12 @@ def check_kernel(layer: nn.Module, reference: torch.Tensor | Callable[[int, int]
     want = torch.cat([F.linear(probe.float(), rows(a, min(a + CHECK_ROWS, n)),
                                None if bias is None else bias[a:a + CHECK_ROWS].float())
                       for a in range(0, n, CHECK_ROWS)], dim=-1)
-    got = layer(probe).float()
-    err = (got - want).abs().max().item()
-    if not err <= KERNEL_TOLERANCE * want.abs().max().clamp_min(1e-6).item():
-        raise QuantKernelError(f"{type(layer).__name__} {(n, k)}: packed kernel differs from the "
-                               f"float reference by {err:.3g} (tolerance {KERNEL_TOLERANCE} of max |y|)")
+    # bf16 activations, and float32 ones (the product a float32 model runs: its own path in the int4 kernel)
+    for got in (layer(probe).float(), layer(probe.float())):
+        err = (got - want).abs().max().item()
+        if not err <= KERNEL_TOLERANCE * want.abs().max().clamp_min(1e-6).item():
+            raise QuantKernelError(f"{type(layer).__name__} {(n, k)}: packed kernel differs from the "
+                                   f"float reference by {err:.3g} (tolerance {KERNEL_TOLERANCE} of max |y|)")
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
@@ -305,8 +306,9 @@ class Int4Linear(nn.Module):
 
     Shapes: ``x`` ``[..., in_features]`` (cast to bfloat16) -> ``[..., out_features]`` bfloat16 (float32 for a
     float32 ``x``).
-    Buffers: ``packed`` (the kernel's layout), ``scales_and_zeros`` ``[K / g, N, 2]`` bfloat16 (None in the
-    ``vnni`` layout, which holds them itself), ``bias``.
+    Buffers: ``packed`` (the kernel's layout), ``scales_and_zeros`` ``[K / g, N', 2]`` bfloat16 (None in the
+    ``vnni`` layout, which holds them itself), ``bias`` ``[N]``; ``N'`` (:attr:`packed_out_features`) is ``N``
+    rounded up to 16 with zero channels, cut from every product.
     ``layout`` is ``"vnni"`` (this project's int4 kernel, AVX-512 VNNI or AVX2, :mod:`specstream.kernels.int4_vnni`,
     chosen when it is available and the shape fits) or ``"torch"`` (PyTorch's packed kernel).
     ``rows`` (embedding lookups) works on the ``vnni`` layout and on the CPU ``torch`` layout with ``N`` a
@@ -327,12 +329,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16))
         self.register_buffer("row_codes", None)  # [N, K/2] uint8, only where the packed layout cannot be gathered
-        # the bias the vnni kernel adds to a float32 product, padded to the packed channels (not saved)
-        bias32 = None
-        if bias is not None and layout == "vnni":
-            bias32 = torch.zeros(self.packed_out_features, dtype=torch.float32, device=bias.device)
-            bias32[:out_features] = self.bias.float()
-        self.register_buffer("bias32", bias32, persistent=False)
+        self._bias32: tuple[tuple, torch.Tensor] | None = None  # (the bias it was made from, float32 padded copy)
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
@@ -421,7 +418,7 @@ class Int4Linear(nn.Module):
             finally:
                 self.bias = bias
         q = self._codes(torch.arange(self.out_features, device=self.packed.device))
-        return dequantize_int4(q, self.scales_and_zeros)
+        return dequantize_int4(q, self.scales_and_zeros[:, :self.out_features])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -430,7 +427,7 @@ class Int4Linear(nn.Module):
             # float32 back in one call, instead of a conversion, a bias add and a conversion around it
             from specstream.kernels import int4_vnni
 
-            y = int4_vnni.mm(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias32)
+            y = int4_vnni.mm(x.reshape(-1, self.in_features).contiguous(), self.packed, self._bias_f32())
             if self.packed_out_features != self.out_features:
                 y = y[:, :self.out_features]
             return y.reshape(*shape[:-1], self.out_features)
@@ -448,6 +445,21 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(_out_dtype(x))
+
+    def _bias_f32(self) -> torch.Tensor | None:
+        """The bias as the kernel adds it to a float32 product: float32, padded to the packed channels. Made
+        from :attr:`bias` again whenever that tensor was replaced, written to or moved (a new bias registered
+        after construction, ``load_state_dict``), so it never goes stale; not a buffer, so a dtype cast of the
+        module leaves it float32."""
+        b = self.bias
+        if b is None:
+            return None
+        key = (b.data_ptr(), b._version, b.device, b.dtype)
+        if self._bias32 is None or self._bias32[0] != key:
+            padded = torch.zeros(self.packed_out_features, dtype=torch.float32, device=b.device)
+            padded[:self.out_features] = b.float()
+            self._bias32 = (key, padded)
+        return self._bias32[1]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (any shape) of the de-quantized weight, bfloat16 ``[*ids.shape, K]``."""
@@ -522,8 +534,9 @@ def quantize_weight(weight: torch.Tensor, bias: torch.Tensor | None, fmt: Weight
 def quantize_linears(module: nn.Module, fmt: WeightFormat | str, skip: tuple[str, ...] = ()) -> int:
     """Replace every ``nn.Linear`` inside ``module`` by its quantized layer (int8 or int4), in place.
 
-    Generic over decoders (Llama family, Whisper's decoder): activations passed to these layers are cast to
-    bfloat16 and their outputs are bfloat16, so the caller runs the module's other parameters in bfloat16.
+    Generic over decoders (Llama family, Whisper's decoder and encoder): bfloat16 activations give bfloat16
+    outputs, float32 ones float32 (the product reads them rounded to bfloat16), so the caller keeps the module's
+    other parameters in its activation dtype.
     Layers the int4 kernel cannot pack (``in_features`` not a multiple of the group size) stay unquantized
     (counted out).
     ``skip``: attribute names left alone (e.g. ``("lm_head",)`` when handled with the embedding).

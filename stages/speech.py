@@ -914,8 +914,8 @@ def transcribe_main(argv: list[str]) -> int:
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, ... (default cpu)")
     parser.add_argument("--dtype", default="float32",
                         help="Whisper weight precision (encoder and decoder): float32, float16, bfloat16, int8, "
-                             "int4 (weight-only, bfloat16 activations), auto (int4 on a CPU with native bf16, int8 on "
-                             "other CPUs)")
+                             "int4 (weight-only; bfloat16 activations where the CPU has bf16 arithmetic, float32 "
+                             "elsewhere), auto (the fastest this machine runs: docs/models.md)")
     parser.add_argument("--stats", action="store_true", help="print transcription info as JSON on stderr")
     try:
         args = parser.parse_args(argv)

@@ -124,7 +124,10 @@ class StreamingVad:
                 probs[i] = out.reshape(-1)[0]
             self._state, self._context = state, frames[-1:, -CONTEXT:].copy()
             self.probs.extend(probs.tolist())
-            self.speech.extend(((probs >= self.config.threshold) & (rms >= self.config.min_rms)).tolist())
+            # compared in float64, as a Python float against the thresholds (not in float32)
+            cfg = self.config
+            speech = (probs.astype(np.float64) >= cfg.threshold) & (rms.astype(np.float64) >= cfg.min_rms)
+            self.speech.extend(speech.tolist())
         self._pending = buf[n * FRAME:].copy()
 
     def has_speech(self, start_s: float, end_s: float) -> bool:

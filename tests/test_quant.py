@@ -205,6 +205,37 @@ def test_int4_packs_an_output_size_that_is_not_a_multiple_of_16(n):
     assert quantize_linears(model, "int4") == 1 and isinstance(model[0], Int4Linear)
 
 
+def test_a_padded_int4_layer_in_pytorchs_layout_gives_back_its_weights(monkeypatch):
+    """Without this project's kernel (PyTorch's packed layout), a padded layer's products, rows and de-quantized
+    weights have its own ``N`` rows (de-quantizing took the padded scales and failed on shapes)."""
+    from specstream.kernels import int4_vnni
+
+    monkeypatch.setattr(int4_vnni, "supports", lambda *a, **k: False)
+    w, x = _weights(40, 64, seed=9)
+    layer = Int4Linear.from_float(w, None, 32, rows=True)
+    assert layer.layout == "torch" and layer.packed_out_features == 48
+    q, sz = quantize_int4(w, 32)
+    ref = dequantize_int4(q, sz)
+    assert torch.equal(layer.dequantized(), ref)
+    assert layer(x).shape == (3, 40)
+    assert torch.equal(QuantEmbedding(layer)(torch.tensor([0, 39])), ref[[0, 39]].bfloat16())
+
+
+def test_the_float32_product_adds_the_bias_the_layer_has_now():
+    """The float32 path's padded float32 bias follows the layer's bias: one registered after construction (as
+    fusing Whisper's q/k/v gives the key projection a zero one), or loaded in place, is the one added."""
+    w, xb = _weights(64, 64, seed=10)
+    layer = Int4Linear.from_float(w, None, 32)
+    x = xb.float()
+    plain = layer(x)
+    layer.register_buffer("bias", torch.ones(64, dtype=torch.bfloat16))
+    assert torch.allclose(layer(x), plain + 1)
+    layer.bias.copy_(torch.full((64,), 2.0))
+    assert torch.allclose(layer(x), plain + 2)
+    layer.bias = None
+    assert torch.equal(layer(x), plain)
+
+
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_quantized_layers_give_float32_activations_back_in_float32(dtype):
     """A model that keeps float32 activations around quantized weights (Whisper on a CPU without bfloat16

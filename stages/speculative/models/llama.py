@@ -299,6 +299,7 @@ class LlamaDecoder(nn.Module):
 
         def fits(lin) -> bool:
             return (isinstance(lin, Int4Linear) and lin.layout == "vnni"
+                    and lin.packed_out_features == lin.out_features  # no padded channels: the layer's widths
                     and (lin.bias is None or lin.bias.dtype == torch.bfloat16))
 
         args = []
