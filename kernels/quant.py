@@ -209,8 +209,9 @@ def check_kernel(layer: nn.Module, reference: torch.Tensor | Callable[[int, int]
     want = torch.cat([F.linear(probe.float(), rows(a, min(a + CHECK_ROWS, n)),
                                None if bias is None else bias[a:a + CHECK_ROWS].float())
                       for a in range(0, n, CHECK_ROWS)], dim=-1)
-    # bf16 activations, and float32 ones (the product a float32 model runs: its own path in the int4 kernel)
-    for got in (layer(probe).float(), layer(probe.float())):
+    # bf16 activations, and float32 ones where they take their own path (this project's int4 kernel)
+    probes = (probe, probe.float()) if getattr(layer, "layout", None) == "vnni" else (probe,)
+    for got in (layer(p).float() for p in probes):
         err = (got - want).abs().max().item()
         if not err <= KERNEL_TOLERANCE * want.abs().max().clamp_min(1e-6).item():
             raise QuantKernelError(f"{type(layer).__name__} {(n, k)}: packed kernel differs from the "
@@ -422,28 +423,26 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        from specstream.kernels import int4_vnni
+
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        bias = self.bias
         if self.layout == "vnni" and x.dtype == torch.float32:
             # float32 activations: the kernel reads them (rounded to bf16 as it goes), adds the bias and gives
             # float32 back in one call, instead of a conversion, a bias add and a conversion around it
-            from specstream.kernels import int4_vnni
-
-            y = int4_vnni.mm(x.reshape(-1, self.in_features).contiguous(), self.packed, self._bias_f32())
-            if self.packed_out_features != self.out_features:
-                y = y[:, :self.out_features]
-            return y.reshape(*shape[:-1], self.out_features)
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        if self.layout == "vnni":
-            from specstream.kernels import int4_vnni
-
-            y = int4_vnni.mm(x2, self.packed)
+            y, bias = int4_vnni.mm(x2, self.packed, self._bias_f32()), None
+        elif self.layout == "vnni":
+            y = int4_vnni.mm(x2.to(torch.bfloat16), self.packed)
         elif self.packed.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size,
+                                                           self.scales_and_zeros)
         else:
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16), self.packed, self.group_size,
+                                                   self.scales_and_zeros)
         if self.packed_out_features != self.out_features:
             y = y[:, :self.out_features]
-        if self.bias is not None:
-            y = y + self.bias
+        if bias is not None:
+            y = y + bias
         return y.reshape(*shape[:-1], self.out_features).to(_out_dtype(x))
 
     def _bias_f32(self) -> torch.Tensor | None:
@@ -570,15 +569,17 @@ def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
     bytes concatenate along the rows, and ``scales_and_zeros`` along its ``N`` dimension. The fused layer must
     reproduce the separate layers bit for bit on a probe input, else None is returned (the caller keeps them).
     None also when the layers are not all of one kind (an int4 fallback to int8, different group sizes, a
-    layout that does not concatenate).
+    layout that does not concatenate) or one is padded (:attr:`Int4Linear.packed_out_features`). A layer without a
+    bias beside layers with one gets zeros (Whisper's key projection), which add nothing.
     """
     if len(layers) < 2 or len({type(l) for l in layers}) != 1 or len({l.in_features for l in layers}) != 1:
         return None
-    if len({l.bias is None for l in layers}) != 1:
-        return None
     if any(getattr(l, "packed_out_features", l.out_features) != l.out_features for l in layers):
         return None  # padded channels would land between the layers' outputs
-    bias = None if layers[0].bias is None else torch.cat([l.bias for l in layers])
+    # a layer without a bias beside ones with it (Whisper's key projection) adds zeros: the same bits
+    biases = [l.bias for l in layers if l.bias is not None]
+    bias = torch.cat([l.bias if l.bias is not None else biases[0].new_zeros(l.out_features)
+                      for l in layers]) if biases else None
     first = layers[0]
     if isinstance(first, Int8Linear):
         fused = Int8Linear(torch.cat([l.qweight for l in layers]), torch.cat([l.scales for l in layers]), bias)

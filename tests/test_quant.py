@@ -171,8 +171,17 @@ def test_fused_projections_equal_the_separate_ones_bit_for_bit(dtype):
     for rows in (1, 5, 21):
         x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
         assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], -1))
-    other = Int8Linear.from_float(torch.randn(64, 128, generator=gen), None)
-    assert fuse_linears([layers[0], other]) is None  # int4 beside int8, or a bias beside none
+    # a layer without a bias beside ones with it (Whisper's key projection) fuses with zeros, bit for bit
+    unbiased = quantize_weight(torch.randn(64, 128, generator=gen), None, fmt)
+    fused = fuse_linears([layers[0], unbiased, layers[2]])
+    assert fused is not None
+    for rows in (1, 5):
+        x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
+        assert torch.equal(fused(x), torch.cat([layers[0](x), unbiased(x), layers[2](x)], -1))
+        assert torch.equal(fused(x.float()), torch.cat([layers[0](x.float()), unbiased(x.float()),
+                                                         layers[2](x.float())], -1))
+    other = (Int4Linear if dtype == "int8" else Int8Linear).from_float(torch.randn(64, 128, generator=gen), None)
+    assert fuse_linears([layers[0], other]) is None  # int4 beside int8
 
 
 @pytest.mark.parametrize("n", [40, 200, 51864])

@@ -282,22 +282,17 @@ class WhisperDecoder(nn.Module):
     def fuse_projections(self) -> int:
         """Replace each layer's quantized self-attention ``q``/``k``/``v`` projections by one ``qkv_proj``
         (:func:`specstream.kernels.quant.fuse_linears`: bit-identical outputs, one kernel call instead of three:
-        at tiny.en's width a quantized product's call costs several times its 384 x 384 weight read). Whisper's
-        key projection has no bias; it gets a zero one, which adds exactly nothing. Returns the layers fused."""
+        at tiny.en's width a quantized product's call costs several times its 384 x 384 weight read; the key
+        projection has no bias, and ``fuse_linears`` gives it zeros). Returns the layers fused."""
         from specstream.kernels.quant import fuse_linears
 
         count = 0
         for layer in self.model.decoder.layers:
             sa = layer.self_attn
-            if sa.qkv_proj is not None or isinstance(sa.q_proj, nn.Linear):  # fused already, or not quantized
+            if sa.qkv_proj is not None:
                 continue
-            if sa.k_proj.bias is None and sa.q_proj.bias is not None:
-                zero = torch.zeros(sa.k_proj.out_features, dtype=sa.q_proj.bias.dtype, device=sa.q_proj.bias.device)
-                sa.k_proj.register_buffer("bias", zero)
-            fused = fuse_linears([sa.q_proj, sa.k_proj, sa.v_proj])
+            fused = fuse_linears([sa.q_proj, sa.k_proj, sa.v_proj])  # None for float layers
             if fused is None:
-                if not isinstance(sa.k_proj, nn.Linear):
-                    sa.k_proj.bias = None
                 continue
             sa.qkv_proj = fused
             del sa.q_proj, sa.k_proj, sa.v_proj
