@@ -74,8 +74,9 @@ def test_read_bandwidth_is_measured():
 
 
 def test_subtitle_requirements_pair_base_with_tiny_at_the_same_precision():
-    """``bench subtitles --dtypes float32,int4`` labels its int4 rows 'MODEL int4'; the requirements still find
-    tiny.en's faster-whisper reference and compare base with tiny.en at the same precision only."""
+    """``bench subtitles --dtypes float32,int4`` runs each model at each precision (rows: the model and its
+    dtype; tables: 'MODEL int4'); the requirements find tiny.en's faster-whisper reference, kept with the first
+    precision, and compare base with tiny.en at the same precision only."""
     from specstream.pipeline.bench.subtitles import _requirements
 
     def row(model, dtype, wer, p95):
@@ -83,10 +84,12 @@ def test_subtitle_requirements_pair_base_with_tiny_at_the_same_precision():
                 "speech_share": 1.0, "max_final_gap_audio_s": 2.0, "wer": wer, "final_latency_s_p95": p95}
 
     out = {"default_agree_span_s": 0.0,
-           "models": {"tiny.en": {"faster_whisper": {"espeak": {"timestamps": 0.095, "none": 0.048}}},
-                      "tiny.en int4": {"faster_whisper": {}}, "whisper-base": {}, "whisper-base int4": {}},
-           "runs": [row("tiny.en", "float32", 0.10, 2.0), row("tiny.en int4", "int4", 0.20, 1.5),
-                    row("whisper-base", "float32", 0.05, 9.0), row("whisper-base int4", "int4", 0.10, 2.5)]}
+           "models": {"tiny.en int4": {"model": "tiny.en", "dtype": "int4", "faster_whisper": {}},
+                      "tiny.en": {"model": "tiny.en", "dtype": "float32",
+                                  "faster_whisper": {"espeak": {"timestamps": 0.095, "none": 0.048}}},
+                      "whisper-base": {"model": "whisper-base"}, "whisper-base int4": {"model": "whisper-base"}},
+           "runs": [row("tiny.en", "float32", 0.10, 2.0), row("tiny.en", "int4", 0.20, 1.5),
+                    row("whisper-base", "float32", 0.05, 9.0), row("whisper-base", "int4", 0.10, 2.5)]}
     req = _requirements(out)
     assert [(r["wer"], r["wer_bound"], r["met"]) for r in req["tiny_latency_and_accuracy"]] == [
         (0.10, 0.148, True), (0.20, 0.148, False)]

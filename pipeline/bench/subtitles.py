@@ -260,17 +260,17 @@ def bench_subtitles_main(argv: list[str]) -> int:
                  "recordings": {k: round(r.duration_s, 2) for k, r in recs.items()}, "runs": [], "models": {}}
     for model_name, dtype in [(x, d) for x in args.models.split(",") if x for d in dtypes]:
         sm = SpeechModel.load(model_name, dtype=dtype)
-        m: dict = {"offline": {}, "faster_whisper": {}, "drafts": {}, "logprobs_cost": None, "dtype": dtype}
+        m: dict = {"model": model_name, "dtype": dtype, "offline": {}, "faster_whisper": {}, "drafts": {},
+                   "logprobs_cost": None}
         first_dtype = dtype == dtypes[0]  # faster-whisper's reference once per model
-        model_name = model_name if dtype == "float32" else f"{model_name} {dtype}"
-        out["models"][model_name] = m
+        out["models"][_label(model_name, dtype)] = m
         for rname, rec in recs.items():
             t0 = time.perf_counter()
             m["offline"][rname] = {"wer": round(wer(rec.text, transcribe(rec.audio, sm, language="en").text), 3),
                                    "wall_s": round(time.perf_counter() - t0, 2)}
             if not args.no_faster_whisper and first_dtype:
                 m["faster_whisper"][rname] = _faster_whisper_wer(sm, rec, wer)
-            log(f"{model_name} {rname}: offline WER {m['offline'][rname]['wer']}, faster-whisper "
+            log(f"{_label(model_name, dtype)} {rname}: offline WER {m['offline'][rname]['wer']}, faster-whisper "
                 f"{m['faster_whisper'].get(rname)}")
             speech_end = rec.spans[-1][1]
             for span in spans:
@@ -346,6 +346,11 @@ def _faster_whisper_wer(sm, rec, wer) -> dict | None:
     return res
 
 
+def _label(model: str, dtype: str | None) -> str:
+    """A model's name in the run's tables: ``tiny.en``, or ``tiny.en int4`` at another precision than float32."""
+    return model if dtype in (None, "float32") else f"{model} {dtype}"
+
+
 def _requirements(out: dict) -> dict:
     """What the runs must show, evaluated (None where the run lacks the data): no lost speech, the longest gap
     between finals at the default, latency and WER of tiny.en at each setting, base against tiny.en."""
@@ -356,12 +361,9 @@ def _requirements(out: dict) -> dict:
     req["max_final_gap_audio_s_at_default"] = max(gaps) if gaps else None
     pending = [r["max_pending_speech_gap_s"] for r in default if r.get("max_pending_speech_gap_s") is not None]
     req["max_pending_speech_gap_s_at_default"] = max(pending) if pending else None
-    def base_name(row: dict) -> str:  # "whisper-base int4" -> "whisper-base"
-        return row["model"].split(" ")[0]
-
-    tiny = [r for r in runs if base_name(r) in ("tiny.en", "whisper-tiny.en") and r["pace"] == 1.0]
-    fw = next((m["faster_whisper"] for label, m in out["models"].items()
-               if label.split(" ")[0] == "tiny.en" and m.get("faster_whisper")), {})
+    tiny = [r for r in runs if r["model"] in ("tiny.en", "whisper-tiny.en") and r["pace"] == 1.0]
+    fw = next((m["faster_whisper"] for m in out["models"].values()
+               if m.get("model") == "tiny.en" and m.get("faster_whisper")), {})
     best = []
     for r in tiny:
         ref = fw.get(r["recording"])
@@ -373,8 +375,8 @@ def _requirements(out: dict) -> dict:
     req["tiny_latency_and_accuracy"] = best or None
     pairs = []
     for r in runs:
-        if base_name(r) == "whisper-base":
-            t = next((x for x in runs if base_name(x) == "tiny.en" and x["recording"] == r["recording"]
+        if r["model"] == "whisper-base":
+            t = next((x for x in runs if x["model"] == "tiny.en" and x["recording"] == r["recording"]
                       and x["agree_span_s"] == r["agree_span_s"] and x["pace"] == r["pace"]
                       and x.get("dtype") == r.get("dtype")), None)
             if t is not None:
@@ -393,9 +395,10 @@ def plot(out: dict, path: Path) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (model, rname), marker in zip(sorted({(r["model"], r["recording"]) for r in out["runs"]}), "os^vD<>"):
-        pts = [r for r in out["runs"] if r["model"] == model and r["recording"] == rname and r["pace"] == 1.0
-               and r["final_latency_s_p95"] is not None]
+    keys = sorted({(_label(r["model"], r.get("dtype")), r["recording"]) for r in out["runs"]})
+    for (model, rname), marker in zip(keys, "os^vD<>*"):
+        pts = [r for r in out["runs"] if _label(r["model"], r.get("dtype")) == model and r["recording"] == rname
+               and r["pace"] == 1.0 and r["final_latency_s_p95"] is not None]
         if not pts:
             continue
         ax.plot([r["final_latency_s_p95"] for r in pts], [r["wer"] for r in pts], marker=marker, ls="",
