@@ -470,7 +470,8 @@ def _decoder_key(key: str) -> str | None:
     return key if key.startswith("model.decoder.") else None
 
 
-def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str) -> None:
+def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str,
+                      skip: tuple[str, ...] = ()):
     """Cast ``module`` (a Whisper encoder or decoder) to the weight precision ``dtype``, in place: a float dtype
     (float32, bfloat16, float16) casts every tensor; int8 / int4 (:func:`dtypes.weight_format`) quantize every
     ``nn.Linear`` through :func:`specstream.kernels.quant.quantize_linears` (weight-only, per output channel for
@@ -480,7 +481,10 @@ def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str) 
     cross-attention over 1,500 frames took 1.25 ms a layer in bfloat16 against 0.17 ms in float32, so int4 weights
     with bfloat16 activations decoded no faster than float32 and encoded at half its speed
     (``docs/benchmarks.md``). The quantized layers take and give float32 there, rounding the activations to
-    bfloat16 only inside the product.
+    bfloat16 only inside the product. ``skip``: names of linear layers left unquantized (the caller's).
+
+    Returns:
+        The :class:`~specstream.kernels.quant.WeightFormat` of a quantized precision, None for a float one.
 
     Raises:
         UnsupportedDtypeError: a precision ``device`` cannot run; QuantKernelError: a packed kernel disagrees with
@@ -496,16 +500,38 @@ def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str) 
         fmt = weight_format(dtype, device)
         if native_bf16(device):
             module.to(torch.bfloat16)
-        quantize_linears(module, fmt)
-    else:
-        module.to(parse_dtype(dtype))
+        quantize_linears(module, fmt, skip)
+        return fmt
+    module.to(parse_dtype(dtype))
+    return None
+
+
+def quantized_output_projection(weight: torch.Tensor, fmt) -> nn.Module:
+    """The output projection (tied to the token embeddings, ``weight`` ``[vocab, d_model]`` float) at ``fmt``:
+    int8 per output channel; at int4, int4 plus an int4 code of its rounding error
+    (:class:`~specstream.kernels.quant.Int4ResidualLinear`, about 8 bits per weight), as llama.cpp's Q4_K_M keeps
+    its output tensor at 6 bits. The logits decide every token, and Whisper's vocabulary rows are small: a plain
+    int4 projection raised tiny.en's word error rate on the espeak-ng script from 0.095 (float32) to 0.155, and
+    base's from 0.119 to 0.167, where the rest of the model at int4 with this projection gives 0.083 and 0.119
+    (``docs/models.md``). A row costs about 2.3x the int4 product (1.5 against 0.66 ms for tiny.en on one AVX2
+    core): about 0.8 ms more per decoder step, of the 7 ms a tiny.en step takes there.
+
+    Raises:
+        QuantKernelError: the packed kernel disagrees with its float reference.
+    """
+    from specstream.kernels.quant import Int4ResidualLinear, int4_packable, quantize_weight
+
+    if fmt.name == "int4" and int4_packable(*weight.shape, fmt.group_size):
+        return Int4ResidualLinear.from_float(weight, None, fmt.group_size)
+    return quantize_weight(weight, None, fmt)
 
 
 def load_whisper_decoder(checkpoint, dtype: str | torch.dtype = "float32", device: str = "cpu") -> WhisperDecoder:
     """Build a :class:`WhisperDecoder` from a Hugging Face Whisper checkpoint (dir, hub id or ``Checkpoint``).
 
     Every decoder tensor must be present (strict); the output projection is tied to the token embeddings (at int8
-    / int4 the projection is a quantized copy; the embedding table stays in the activation dtype). ``dtype``:
+    / int4 the projection is a quantized copy, :func:`quantized_output_projection`; the embedding table stays in
+    the activation dtype). ``dtype``:
     float32, bfloat16, float16, int8, int4 (:func:`_weight_precision`); the KV cache and activations follow the
     embedding's dtype. At int8 / int4 the self-attention projections are fused
     (:meth:`WhisperDecoder.fuse_projections`).
@@ -530,7 +556,10 @@ def load_whisper_decoder(checkpoint, dtype: str | torch.dtype = "float32", devic
             f"{ckpt.path}: weights do not match a Whisper decoder (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
     model.tie_weights()
-    _weight_precision(model, dtype, device)
+    head = model.proj_out.weight.detach()  # float32 from the checkpoint, before any cast
+    fmt = _weight_precision(model, dtype, device, skip=("proj_out",))
+    if fmt is not None:
+        model.proj_out = quantized_output_projection(head, fmt)
     model.fuse_projections()
     model.eval()
     from specstream.kernels.linear import pack_linears
