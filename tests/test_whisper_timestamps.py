@@ -167,6 +167,31 @@ def test_batched_timestamp_rules_equal_the_row_by_row_rules():
     assert torch.equal(alone, got[idx])
 
 
+def test_timestamp_rules_of_two_vocabularies_in_one_call_equal_the_row_by_row_rules():
+    """Rows whose processors place the timestamps differently (two vocabulary layouts in one call) take the general
+    path of rule 5 (a per-row text mask) and give exactly the row-by-row scores; the cached masks of one layout
+    are never used for the other."""
+    from specstream.stages.whisper_timing import ApplyTimestampRules
+
+    g = torch.Generator().manual_seed(9)
+    vocab = 90
+    layouts = [ApplyTimestampRules(50, 51, 52, begin_index=2, max_initial_timestamp_index=5),
+               ApplyTimestampRules(60, 61, 62, begin_index=3, max_initial_timestamp_index=None)]
+    procs, seqs = [], []
+    for k in range(40):
+        rules = layouts[k % 2]
+        gen = [int(t) for t in torch.randint(0, vocab, (int(torch.randint(0, 7, (1,), generator=g)),), generator=g)]
+        gen = [t if t not in (rules.eot, rules.no_timestamps) else rules.timestamp_begin + 2 for t in gen]
+        procs.append(rules)
+        seqs.append([7] * rules.begin_index + gen)
+    scores = torch.randn((40, vocab), generator=g) * 3
+    scores[::3, 52:] += 4.0
+    got = ApplyTimestampRules.apply_rows(procs, seqs, scores.clone())
+    want = torch.cat([_rules_one_row_at_a_time(procs[i], [seqs[i]], scores[i:i + 1].clone()) for i in range(40)])
+    assert torch.equal(got, want)
+    assert sum(bool(torch.isinf(want[i, :procs[i].timestamp_begin]).all()) for i in range(40)) >= 3
+
+
 def test_timestamp_rules_on_tree_views_equal_the_rules_on_copied_lists():
     """The rules on what the executor hands them: per tree node a History view of the request's prompt, output
     and path (the output list shared by every node of a request, whose last timestamp is looked up once per call)
