@@ -69,6 +69,30 @@ def test_rows_get_the_same_bits_alone_in_a_tree_and_in_any_order():
 
 
 @needs_vnni
+@pytest.mark.parametrize("n,k,m", [(384, 384, 1500), (1536, 384, 300), (384, 1536, 131)])
+def test_many_rows_through_a_small_weight_take_chunks_with_the_same_bits(n, k, m):
+    """A small weight times many rows (Whisper's encoder: 1500 frames through 384 x 384) runs the rows in chunks
+    that stay in cache (``kChunkBytes`` of int8 activations, at most ``kChunkWeightBytes`` of weights); every row
+    keeps its bits (alone, or as one of the first 8), float32 activations included, and the product equals the
+    float reference. The shapes put chunk boundaries inside the rows (256, 256 and 64 rows a chunk)."""
+    q, sz = _codes(n, k, seed=n * k + m)
+    packed = int4_vnni.pack(q, sz)
+    x = _activations(m, k, seed=m)
+    full = int4_vnni.mm(x, packed)
+    want = x.float() @ dequantize_int4(q, sz).t()
+    assert (full.float() - want).abs().max() <= KERNEL_TOLERANCE * want.abs().max()
+    picks = sorted({0, 7, 8, 55, 56, 63, 64, 255, 256, m // 2, m - 1} & set(range(m)))
+    for i in picks:
+        assert torch.equal(int4_vnni.mm(x[i:i + 1].contiguous(), packed)[0], full[i])
+    assert torch.equal(int4_vnni.mm(x[:8].contiguous(), packed), full[:8])
+    x32 = x.float()
+    full32 = int4_vnni.mm(x32, packed)
+    assert full32.dtype == torch.float32
+    for i in picks:
+        assert torch.equal(int4_vnni.mm(x32[i:i + 1].contiguous(), packed)[0], full32[i])
+
+
+@needs_vnni
 def test_empty_batch_and_shape_errors():
     q, sz = _codes(32, 64)
     packed = int4_vnni.pack(q, sz)
