@@ -292,7 +292,7 @@ torch::Tensor int4_mm(torch::Tensor x, torch::Tensor packed, int64_t prefetch,
   // them. Otherwise each block reads all M rows, and at M = 1500 the activations stream from L3 once per block.
   // A large weight (the Llama layers) keeps one chunk of all rows: its codes, not the activations, must be read
   // once. The order of the loops changes no result (each output is one row's own sum, in the same order).
-  const int64_t chunk = B * G * kGroupBytes <= kChunkWeightBytes
+  const int64_t chunk = K > 0 && B * G * kGroupBytes <= kChunkWeightBytes
                             ? std::max<int64_t>(kMaxTile, kChunkBytes / K / kMaxTile * kMaxTile)
                             : M;
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {

@@ -105,6 +105,9 @@ def test_empty_batch_and_shape_errors():
         int4_vnni.mm(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(32))
     with pytest.raises(RuntimeError, match="bias must be"):
         int4_vnni.mm(torch.zeros(2, 64), packed, torch.zeros(31))
+    # no input columns: a zero product (the row chunks divide by K only when there are columns)
+    empty_k = int4_vnni.pack(torch.zeros(16, 0, dtype=torch.uint8), torch.zeros(0, 16, 2, dtype=torch.bfloat16))
+    assert torch.equal(int4_vnni.mm(torch.zeros(3, 0), empty_k), torch.zeros(3, 16))
 
 
 @needs_vnni

@@ -467,3 +467,22 @@ def test_transcribe_command_selects_base_by_name(whisper_base_ct2, spoken, speec
     assert err["code"] == "checkpoint_not_found" and "specstream models fetch whisper-base" in err["message"]
     assert transcribe_main([str(spoken[0]), "--max-chars", "0"]) == 2
     assert capsys.readouterr().err.startswith("error [invalid_request]: cue limits must be positive")
+
+
+def test_a_mask_cached_in_inference_mode_serves_a_call_outside_it():
+    """The banned-column rows are cached across calls; one first built inside ``torch.inference_mode()`` (the
+    engine's decoding) is a normal tensor, so a later call outside it on scores that track gradients works and
+    gives the same scores."""
+    from specstream.stages.whisper_timing import ApplyTimestampRules
+
+    ApplyTimestampRules._banned.cache_clear()
+    rules = ApplyTimestampRules(eot=5, no_timestamps=6, timestamp_begin=7, begin_index=2, max_initial_timestamp_index=2)
+    seq = [[9, 9, 8, 1, 2]]
+    base = torch.randn(1, 12, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        inside = rules(seq, base.clone())
+    x = base.clone().requires_grad_(True)
+    outside = rules(seq, x * 1.0)
+    assert torch.equal(outside.detach(), inside)
+    outside[torch.isfinite(outside)].sum().backward()
+    assert torch.equal(x.grad, torch.isfinite(inside).float())

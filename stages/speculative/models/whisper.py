@@ -17,7 +17,7 @@ The encoder itself runs as Hugging Face's ``WhisperEncoder`` module (:func:`load
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,9 @@ from specstream.errors import UnsupportedArchitectureError
 from specstream.kernels.tree_attention import attention_bias, tree_attention
 from specstream.stages.speculative.models.kv_cache import KVCache
 from specstream.stages.speculative.models.llama import ForwardBatch
+
+if TYPE_CHECKING:
+    from specstream.kernels.quant import WeightFormat
 
 
 @dataclass(frozen=True)
@@ -471,7 +474,7 @@ def _decoder_key(key: str) -> str | None:
 
 
 def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str,
-                      skip: tuple[str, ...] = ()):
+                      skip: tuple[str, ...] = ()) -> WeightFormat | None:
     """Cast ``module`` (a Whisper encoder or decoder) to the weight precision ``dtype``, in place: a float dtype
     (float32, bfloat16, float16) casts every tensor; int8 / int4 (:func:`dtypes.weight_format`) quantize every
     ``nn.Linear`` through :func:`specstream.kernels.quant.quantize_linears` (weight-only, per output channel for
@@ -506,7 +509,7 @@ def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str,
     return None
 
 
-def quantized_output_projection(weight: torch.Tensor, fmt) -> nn.Module:
+def quantized_output_projection(weight: torch.Tensor, fmt: WeightFormat) -> nn.Module:
     """The output projection (tied to the token embeddings, ``weight`` ``[vocab, d_model]`` float) at ``fmt``:
     int8 per output channel; at int4, int4 plus an int4 code of its rounding error
     (:class:`~specstream.kernels.quant.Int4ResidualLinear`, about 8 bits per weight), as llama.cpp's Q4_K_M keeps
@@ -514,7 +517,9 @@ def quantized_output_projection(weight: torch.Tensor, fmt) -> nn.Module:
     int4 projection raised tiny.en's word error rate on the espeak-ng script from 0.095 (float32) to 0.155, and
     base's from 0.119 to 0.167, where the rest of the model at int4 with this projection gives 0.083 and 0.119
     (``docs/models.md``). A row costs about 2.3x the int4 product (1.5 against 0.66 ms for tiny.en on one AVX2
-    core): about 0.8 ms more per decoder step, of the 7 ms a tiny.en step takes there.
+    core in a microbenchmark; 1.35 ms a step timed inside a transcription): about 0.7-0.8 ms more per decoder
+    step, of the 7 ms a tiny.en step takes there. A projection whose columns are not a multiple of the group
+    (no Whisper model) is int8, as :func:`~specstream.kernels.quant.quantize_weight` gives.
 
     Raises:
         QuantKernelError: the packed kernel disagrees with its float reference.
