@@ -19,9 +19,22 @@ from whisper_fixtures import SENTENCES, one_torch_thread, speech_cache, spoken  
 WER_TOLERANCE = 0.05  # int8 / int4 vs float32, over the three sentences' words
 
 
+@pytest.fixture(scope="module")
+def loaded(speech_cache):
+    """tiny.en at a precision, loaded once per module whichever tests ask for it (read-only use)."""
+    models: dict[str, SpeechModel] = {}
+
+    def get(dtype: str) -> SpeechModel:
+        if dtype not in models:
+            models[dtype] = SpeechModel.load(None, dtype)
+        return models[dtype]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=["int8", "int4"])
-def sm8(speech_cache, request):
-    return SpeechModel.load(None, request.param)
+def sm8(loaded, request):
+    return loaded(request.param)
 
 
 def _text(result) -> str:
@@ -48,8 +61,8 @@ def test_every_linear_layer_is_quantized(sm8):
     assert next(sm8.encoder.parameters()).dtype == sm8.decoder.dtype
 
 
-def test_speculative_equals_the_same_precision_alone_and_wer_near_float32(sm8, spoken):
-    sm32 = SpeechModel.load(None, "float32")
+def test_speculative_equals_the_same_precision_alone_and_wer_near_float32(sm8, spoken, loaded):
+    sm32 = loaded("float32")
     refs, hyp8, hyp32 = [], [], []
     for wav, ref in zip(spoken, SENTENCES):
         plain = transcribe(wav, sm8, drafter="none", speculate=False, timestamps=False, vad_filter=False)
@@ -84,7 +97,7 @@ def test_fused_self_attention_projections_change_no_bit(sm8, monkeypatch):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_the_int4_output_projection_keeps_the_float32_logits(spoken):
+def test_the_int4_output_projection_keeps_the_float32_logits(spoken, loaded):
     """The output projection decides every token from its logits: at int4 it is int4 plus an int4 code of the
     rounding error (about 8 bits), as llama.cpp keeps its output tensor above 4 bits. On tiny.en's real decoder
     states (float32, teacher-forced with its own transcription of a spoken sentence), the logits stay within 0.4
@@ -93,7 +106,7 @@ def test_the_int4_output_projection_keeps_the_float32_logits(spoken):
     0.155 (docs/models.md)."""
     from specstream.stages.speech import load_audio, log_mel
 
-    sm32 = SpeechModel.load(None, "float32")
+    sm32 = loaded("float32")
     plain = transcribe(spoken[1], sm32, drafter="none", speculate=False, timestamps=False, vad_filter=False)
     ids = sm32.sot_sequence() + [t for s in plain.segments for t in s.tokens]
     audio = load_audio(spoken[1])
@@ -111,7 +124,7 @@ def test_the_int4_output_projection_keeps_the_float32_logits(spoken):
     emb = dec.embed_tokens.weight.detach()
     x = states[0].reshape(-1, emb.shape[1])  # [len(ids), 384]: the states the projection reads
     want = x @ emb.float().t()
-    head = SpeechModel.load(None, "int4").decoder.proj_out
+    head = loaded("int4").decoder.proj_out
     with torch.inference_mode():
         got = head(x).float()
         old = Int4Linear.from_float(emb.float(), None, 32)(x)
