@@ -493,7 +493,8 @@ class Int4ResidualLinear(nn.Module):
     Q4_K_M keeps its output tensor at 6 bits for the same reason. Measured on Whisper tiny.en (``docs/models.md``):
     an int4 output projection raised the word error rate of the espeak-ng script from 0.095 (float32) to 0.155;
     with this layer it is 0.083. One row of its 51,864 x 384 product took 1.5 ms against int4's 0.66 ms and
-    PyTorch's int8 kernel's 3.1 ms (microbenchmark, one AVX2 core, 2026-12-07).
+    PyTorch's int8 kernel's 3.1 ms (microbenchmark, one core of the AVX2-only AMD EPYC Zen 3 of
+    ``docs/benchmarks.md``, 2026-12-07; read bandwidth not measured in it, 21.8 GB/s in the offline run beside it).
 
     Both terms are one :class:`Int4Linear` over the stacked ``[W; R]`` (one pass over the activations, one
     kernel call), and the halves of its output are added in float32. On this project's int4 kernel (the ``vnni``

@@ -116,7 +116,7 @@ class ApplyTimestampRules(LogitsProcessor):
         """The banned columns ``[V]`` bool of one row's bounds (:meth:`_row_bounds`), made once per distinct
         bounds and device. A request's rows repeat a few bounds for many steps (the last timestamp changes once
         per segment), so a step looks its masks up instead of comparing a 51,864-column range per row (nine passes
-        over ``[N, V]`` int64; 0.19 ms of a 1.1-ms call at one row, measured on one AVX2 core). 512 masks of
+        over ``[N, V]`` int64; 0.19 ms of a 1.1-ms call at one row). 512 masks of
         Whisper's vocabulary hold 27 MB. Made outside inference mode, so that a mask first built inside it also
         serves a later call outside it."""
         with torch.inference_mode(False):
@@ -135,8 +135,9 @@ class ApplyTimestampRules(LogitsProcessor):
         mathematics; in float32 they can decide differently when the two sides lie within a few ulps of each
         other (the subtraction of the normaliser rounds), and a +inf timestamp score now forces a timestamp
         where the log-softmax form gave NaN and did not. Speculative and plain decoding use this one form, so
-        their outputs stay identical. Measured, one row, one AVX2 core:
-        the call took 1.14 ms before and 0.2 ms after."""
+        their outputs stay identical. Measured at one row on one core of the AVX2-only AMD EPYC Zen 3 of
+        ``docs/benchmarks.md`` (microbenchmark, read bandwidth not measured in it): the call took 1.14 ms before
+        and 0.21 ms after."""
         n, vocab = scores.shape
         if n == 0:
             return scores

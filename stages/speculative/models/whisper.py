@@ -481,7 +481,8 @@ def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str,
     int8, in groups for int4) and run the rest (embeddings, layer norms, convolutions, attention) and the
     activations in bfloat16 where the device has bfloat16 arithmetic (:func:`~specstream.kernels.quant.native_bf16`),
     in float32 elsewhere: on an AVX2-only CPU, PyTorch's bfloat16 attention converts in software, and tiny.en's
-    cross-attention over 1,500 frames took 1.25 ms a layer in bfloat16 against 0.17 ms in float32, so int4 weights
+    cross-attention over 1,500 frames took 1.25 ms a layer in bfloat16 against 0.17 ms in float32 (a probe on the
+    AMD EPYC Zen 3 of ``docs/benchmarks.md``, read bandwidth not measured in it), so int4 weights
     with bfloat16 activations decoded no faster than float32 and encoded at half its speed
     (``docs/benchmarks.md``). The quantized layers take and give float32 there, rounding the activations to
     bfloat16 only inside the product. ``skip``: names of linear layers left unquantized (the caller's).
@@ -512,14 +513,12 @@ def _weight_precision(module: nn.Module, dtype: str | torch.dtype, device: str,
 def quantized_output_projection(weight: torch.Tensor, fmt: WeightFormat) -> nn.Module:
     """The output projection (tied to the token embeddings, ``weight`` ``[vocab, d_model]`` float) at ``fmt``:
     int8 per output channel; at int4, int4 plus an int4 code of its rounding error
-    (:class:`~specstream.kernels.quant.Int4ResidualLinear`, about 8 bits per weight), as llama.cpp's Q4_K_M keeps
-    its output tensor at 6 bits. The logits decide every token, and Whisper's vocabulary rows are small: a plain
-    int4 projection raised tiny.en's word error rate on the espeak-ng script from 0.095 (float32) to 0.155, and
-    base's from 0.119 to 0.167, where the rest of the model at int4 with this projection gives 0.083 and 0.119
-    (``docs/models.md``). A row costs about 2.3x the int4 product (1.5 against 0.66 ms for tiny.en on one AVX2
-    core in a microbenchmark; 1.35 ms a step timed inside a transcription): about 0.7-0.8 ms more per decoder
-    step, of the 7 ms a tiny.en step takes there. A projection whose columns are not a multiple of the group
-    (no Whisper model) is int8, as :func:`~specstream.kernels.quant.quantize_weight` gives.
+    (:class:`~specstream.kernels.quant.Int4ResidualLinear`, about 8 bits per weight; its cost is measured there),
+    as llama.cpp's Q4_K_M keeps its output tensor at 6 bits. The logits decide every token: a plain int4
+    projection raised tiny.en's word error rate on the espeak-ng script from 0.095 (float32) to 0.155, and base's
+    from 0.119 to 0.167, where the rest of the model at int4 with this projection gives 0.083 and 0.119
+    (``docs/models.md``). A projection whose columns are not a multiple of the group (no Whisper model) is int8,
+    as :func:`~specstream.kernels.quant.quantize_weight` gives.
 
     Raises:
         QuantKernelError: the packed kernel disagrees with its float reference.
