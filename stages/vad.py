@@ -7,6 +7,12 @@ package is never imported, because importing it sets torch's intra-op thread cou
 The model takes 512-sample frames of 16 kHz audio (32 ms) with the previous frame's last 64 samples as context
 and a recurrent state ``[2, 1, 128]``; it returns the probability that the frame holds speech. One
 :class:`StreamingVad` per audio stream keeps that state; the ONNX session is shared by all streams.
+
+A chunk of many frames runs through the package's sequence export of the same model
+(``silero_vad_16k_sequence.onnx``, silero-vad 6.2 and later, after snakers4/silero-vad PR 784): one call per block
+of up to :data:`SEQUENCE_BLOCK` frames, the recurrent state carried between calls, and the same probabilities bit
+for bit (``tests/test_vad.py``). faster-whisper batches its VAD the same way. Without that file (an older
+silero-vad), frames run one call each, with the same results.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 from specstream.errors import SpecstreamError
 
 FRAME = 512  # samples per VAD frame at 16 kHz (32 ms)
+SEQUENCE_BLOCK = 512  # frames per call of the sequence model (16.4 s of audio)
 CONTEXT = 64  # samples of the previous frame prepended to each frame
 SAMPLE_RATE = 16000
 
@@ -59,6 +66,23 @@ def _session():
     opts.log_severity_level = 3
     return onnxruntime.InferenceSession(str(silero_model_path()), sess_options=opts,
                                         providers=["CPUExecutionProvider"])
+
+
+@lru_cache(maxsize=1)
+def _sequence_session():
+    """The session of the package's sequence model (frames ``[T, 576]`` and the state as ``h``, ``c``
+    ``[1, 1, 128]`` in; per-frame probabilities ``[T]`` and the state out), or None when the installed silero-vad
+    does not ship it."""
+    path = silero_model_path().with_name("silero_vad_16k_sequence.onnx")
+    if not path.is_file():
+        return None
+    import onnxruntime
+
+    opts = onnxruntime.SessionOptions()
+    opts.inter_op_num_threads = 1
+    opts.intra_op_num_threads = 1
+    opts.log_severity_level = 3
+    return onnxruntime.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
 
 
 _RUN_LOCK = threading.Lock()
@@ -107,9 +131,12 @@ class StreamingVad:
     def accept(self, samples: np.ndarray) -> None:
         """Analyse ``samples`` ``[n]`` float32 16 kHz (continuing the stream).
 
-        The model is recurrent, so its frames run one call each, in order; everything else (each frame's
-        64-sample context, its RMS, the speech flags) is computed for all frames of the chunk at once (62 s of
-        audio in one chunk on the AVX2 EPYC of docs/benchmarks.md: 0.40-0.50 s frame by frame, 0.32-0.39 s so)."""
+        The model is recurrent: its frames run in order, through the sequence model in blocks of
+        :data:`SEQUENCE_BLOCK` frames (one call each, the state carried between them), or one call per frame
+        without it; everything else (each frame's 64-sample context, its RMS, the speech flags) is computed for
+        all frames of the chunk at once. On one core of the AVX2-only AMD EPYC Zen 3 of ``docs/benchmarks.md``,
+        the 32.5-s espeak-ng recording took 0.23 s frame by frame and 0.074 s in blocks, the 62-s bulletin 0.44 s
+        and 0.18 s (same probabilities; read bandwidth not measured in this probe)."""
         buf = np.concatenate([self._pending, np.asarray(samples, dtype=np.float32)])
         n = len(buf) // FRAME
         if n:
@@ -118,10 +145,19 @@ class StreamingVad:
             rms = np.sqrt(np.mean(frames * frames, axis=1))  # [n]
             sr = np.array(SAMPLE_RATE, dtype=np.int64)
             state, probs = self._state, np.empty(n, dtype=np.float32)
-            for i in range(n):
-                with _RUN_LOCK:
-                    out, state = self._sess.run(None, {"input": inputs[i:i + 1], "state": state, "sr": sr})
-                probs[i] = out.reshape(-1)[0]
+            seq = _sequence_session() if n > 1 else None
+            if seq is not None:
+                h, c = state[0:1], state[1:2]
+                for a in range(0, n, SEQUENCE_BLOCK):
+                    with _RUN_LOCK:
+                        out, h, c = seq.run(None, {"input": inputs[a:a + SEQUENCE_BLOCK], "h": h, "c": c})
+                    probs[a:a + SEQUENCE_BLOCK] = out.reshape(-1)
+                state = np.concatenate([h, c])
+            else:
+                for i in range(n):
+                    with _RUN_LOCK:
+                        out, state = self._sess.run(None, {"input": inputs[i:i + 1], "state": state, "sr": sr})
+                    probs[i] = out.reshape(-1)[0]
             self._state, self._context = state, frames[-1:, -CONTEXT:].copy()
             self.probs.extend(probs.tolist())
             # compared in float64, as a Python float against the thresholds (not in float32)

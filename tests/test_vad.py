@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from live_fixtures import compose
-from specstream.stages.vad import CONTEXT, FRAME, SAMPLE_RATE, StreamingVad, _session
+from specstream.stages.vad import CONTEXT, FRAME, SAMPLE_RATE, SEQUENCE_BLOCK, StreamingVad, _session
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,36 @@ def test_probabilities_equal_the_models_own_loop_for_any_chunk_size(rec):
             vad.accept(rec.audio[i:i + chunk])
         assert vad.frames == len(rec.audio) // FRAME
         assert np.array_equal(np.float32(vad.probs), np.float32(want)), chunk
+
+
+def test_long_chunks_run_in_blocks_with_the_same_probabilities(rec, monkeypatch):
+    """A chunk of more than one block of frames (speech, then noise, then speech again, 22 s) is read in
+    ``ceil(frames / SEQUENCE_BLOCK)`` model calls, not one call per frame, and its probabilities and recurrent
+    state equal the frame-by-frame loop's, across the block boundary."""
+    import onnxruntime
+
+    rng = np.random.default_rng(0)
+    noise = (0.02 * rng.standard_normal(3 * SAMPLE_RATE)).astype(np.float32)
+    audio = np.concatenate([rec.audio, noise, rec.audio, rec.audio])
+    n = len(audio) // FRAME
+    assert n > SEQUENCE_BLOCK
+    want = _frame_by_frame(audio)
+    calls = []
+    run = onnxruntime.InferenceSession.run
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(onnxruntime.InferenceSession, "run", counted)
+    vad = StreamingVad()
+    vad.accept(audio)
+    assert len(calls) == -(-n // SEQUENCE_BLOCK) == 2
+    assert np.array_equal(np.float32(vad.probs), np.float32(want))
+    monkeypatch.setattr(onnxruntime.InferenceSession, "run", run)
+    tail = rec.audio[:FRAME * 40]  # the stream goes on: the state carried out of the blocks is the model's
+    vad.accept(tail)
+    assert np.array_equal(np.float32(vad.probs[n:]), np.float32(_frame_by_frame(np.concatenate([audio, tail]))[n:]))
 
 
 def test_speech_flags_follow_the_spoken_spans(rec):
