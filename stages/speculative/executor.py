@@ -731,17 +731,24 @@ class SpeculativeExecutor:
         device = logits.device
         b, r_max, v = logits.shape
         # [B, R] finite rows of the raw logits (before processors add their -inf); one reduction, padding ignored
-        n_rows = torch.tensor([1 if r.is_prefill else len(r.tokens) for r in rows], device=device)
-        finite = torch.isfinite(logits.sum(-1)) | (torch.arange(r_max, device=device)[None, :] >= n_rows[:, None])
+        finite = torch.isfinite(logits.sum(-1))
+        if r_max > 1:
+            n_rows = torch.tensor([1 if r.is_prefill else len(r.tokens) for r in rows], device=device)
+            finite |= torch.arange(r_max, device=device)[None, :] >= n_rows[:, None]
         if any(r.spec.logits_processors for r in rows):
             logits = self._process_logits(rows, logits)
         greedy = [r.spec.sampling.greedy for r in rows]
         dec_idx = [i for i, r in enumerate(rows) if not r.is_prefill]
         pre_idx = [i for i, r in enumerate(rows) if r.is_prefill]
         depth = sub.max_depth if sub is not None else 0
+        argmax = logits.argmax(-1) if any(greedy) else None  # [B, R]
+        if all(greedy) and (sub is None or sub.width == 1):
+            # every row greedy and every tree its root alone (no drafts this step, or prefills): the token is the
+            # argmax of logits row 0 and the path the root, as the general verification below gives them, in
+            # a fifth of its small tensor operations (tests/test_engine_hostwork.py)
+            return self._commit_roots(rows, logits, attn, finite, argmax)
         last = torch.zeros(b, dtype=torch.long, device=device)
         bonus = torch.zeros(b, dtype=torch.long, device=device)
-        argmax = logits.argmax(-1) if any(greedy) else None  # [B, R]
         uniforms = self._uniforms(rows, sub)
         if dec_idx:
             w = sub.width
@@ -790,6 +797,23 @@ class SpeculativeExecutor:
         host = torch.cat(payload, 1).tolist()  # the one host copy of the verification
         visual = self._visual_attention(rows, attn)
         return self._commit(rows, host, width, want_lp, visual)
+
+    def _commit_roots(self, rows: list[_Row], logits: torch.Tensor, attn: dict, finite: torch.Tensor,
+                      argmax: torch.Tensor) -> list[RequestStepResult]:
+        """:meth:`_verify_and_commit` of a step whose rows are all greedy and whose trees are all roots alone
+        (``logits`` ``[B, R, V]`` processed, ``finite`` ``[B, R]``, ``argmax`` ``[B, R]``): each row commits the
+        argmax of its logits row 0; the same host payload (one copy) and the same values as the general path."""
+        b = logits.shape[0]
+        ok = finite[:, 0]
+        bonus = argmax[:, 0]
+        zero = torch.zeros((b, 1), dtype=torch.float64, device=logits.device)
+        payload = [ok.double()[:, None], (~finite.all(-1)).double()[:, None], zero, bonus.double()[:, None], zero]
+        want_lp = any(r.spec.logprobs for r in rows)
+        if want_lp:
+            sel = logits[:, :1].float()  # [B, 1, V]: the committed token's row
+            payload.append((sel.gather(2, bonus[:, None, None])[:, :, 0] - torch.logsumexp(sel, -1)).double())
+        host = torch.cat(payload, 1).tolist()  # the one host copy of the verification
+        return self._commit(rows, host, 1, want_lp, self._visual_attention(rows, attn))
 
     @staticmethod
     def _target_probs(rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
