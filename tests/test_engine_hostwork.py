@@ -214,44 +214,56 @@ def test_visual_attention_gathers_the_spans_before_the_means_bit_for_bit():
 
 
 def _verify_ops(eng, prompt: list[int], steps: int, logprobs: bool) -> list[int]:
-    """Tensor operator calls (aten, counted by a dispatch mode) inside the executor's verification and commit of
-    each of ``steps`` decode steps of one greedy request (the target forward is not inside it)."""
+    """Tensor operator calls (aten, counted by a dispatch mode) in each of ``steps`` decode steps of one greedy
+    request: the executor's inputs of the target forward, its verification and commit (the forward itself is not
+    counted)."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    counting = [False]
 
     class Count(TorchDispatchMode):
         n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
+            Count.n += counting[0]
             return func(*args, **(kwargs or {}))
 
     ex = eng.executor
     counts: list[int] = []
-    verify = ex._verify_and_commit
+    step, forward = ex._forward_and_verify, ex.target.forward_batch
+
+    def uncounted_forward(*args, **kwargs):
+        counting[0] = False
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            counting[0] = True
 
     def counted(*args, **kwargs):
-        Count.n = 0
+        Count.n, counting[0] = 0, True
         with Count():
-            out = verify(*args, **kwargs)
+            out = step(*args, **kwargs)
+        counting[0] = False
         counts.append(Count.n)
         return out
 
-    ex._verify_and_commit = counted
+    ex._forward_and_verify, ex.target.forward_batch = counted, uncounted_forward
     try:
         req = eng.add_request(eng.make_request(prompt, steps + 1, speculate=False, logprobs=logprobs))
         while eng.has_work():
             eng.step()
     finally:
-        del ex._verify_and_commit  # the class's method again
+        del ex._forward_and_verify, ex.target.forward_batch  # the class's methods again
     assert len(req.output_ids) == steps + 1
     return counts[1:]  # the prefill's step left out
 
 
-def test_a_plain_greedy_step_verifies_in_few_tensor_operations(tmp_path):
-    """A decode step without drafts, every row greedy, commits the argmax of its one logits row: its verification
-    stays a handful of tensor operations (each a few microseconds of dispatch, against a Whisper tiny.en decoder
-    step of a few milliseconds), with and without log-probabilities. The general tree verification it replaces
-    took 89 operations (114 with log-probabilities) for the same result; 18 and 27 now."""
+def test_a_plain_greedy_step_builds_and_verifies_in_few_tensor_operations(tmp_path):
+    """A decode step without drafts, every row greedy, feeds one token per row and commits the argmax of its one
+    logits row: the step's own tensor work around the target forward (its inputs, verification, commit) stays a
+    few dozen operations (each a few microseconds of dispatch, against a Whisper tiny.en decoder step of a few
+    milliseconds), with and without log-probabilities. The general token-tree path it replaces took 157 operations
+    (182 with log-probabilities) for the same inputs and result; 28 and 37 now."""
     spec = TinyDecoderSpec(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
     target = save_checkpoint(tmp_path / "target", spec.config_dict(), random_decoder_state(spec, seed=4))
@@ -261,5 +273,5 @@ def test_a_plain_greedy_step_verifies_in_few_tensor_operations(tmp_path):
     plain = _verify_ops(eng, prompt, 4, logprobs=False)
     with_lp = _verify_ops(eng, prompt, 4, logprobs=True)
     assert len(set(plain)) == 1 and len(set(with_lp)) == 1, (plain, with_lp)  # the same work every step
-    assert plain[0] <= 20, plain
+    assert plain[0] <= 32, plain
     assert with_lp[0] <= plain[0] + 10, (plain, with_lp)

@@ -643,6 +643,8 @@ class SpeculativeExecutor:
                             forks: list[ForkWork] = ()) -> list[RequestStepResult]:
         device = self.target.device
         b = len(rows)
+        if compiled is not None and compiled.width == 1 and not forks and not any(r.is_prefill for r in rows):
+            return self._forward_roots(rows, compiled)
         t = max(len(r.tokens) for r in rows)
         dec_idx = [i for i, r in enumerate(rows) if not r.is_prefill]
         pre_idx = [i for i, r in enumerate(rows) if r.is_prefill]
@@ -712,6 +714,31 @@ class SpeculativeExecutor:
             rows = rows + extra
         return self._verify_and_commit(rows, logits, attn, sub, tree_anc)
 
+    def _forward_roots(self, rows: list[_Row], compiled: CompiledTrees) -> list[RequestStepResult]:
+        """:meth:`_forward_and_verify` of decode rows whose trees are all roots alone (``compiled.width == 1``): one
+        token per row, at its slot's next column, seeing its prefix and itself. The inputs are those the general
+        path builds for such rows (ids, positions, write columns, mask, logit rows), from a fifth of its tensor
+        operations (``tests/test_engine_hostwork.py``)."""
+        device = self.target.device
+        b = len(rows)
+        sub = self._subset(compiled, [r.tree_index for r in rows])
+        prefix = torch.tensor([r.prefix for r in rows], dtype=torch.long, device=device)[:, None]  # [B, 1]
+        key_len = max(r.prefix for r in rows) + 1
+        mask = torch.arange(key_len, device=device)[None, None, :] <= prefix[:, :, None]  # [B, 1, S]
+        want_attn = any(r.spec.visual_span for r in rows)
+        batch = ForwardBatch(
+            slots=torch.tensor([r.slot for r in rows], dtype=torch.long, device=device),
+            input_ids=sub.tokens, position_ids=prefix, write_index=prefix, attn_mask=mask,
+            logit_index=torch.zeros((b, 1), dtype=torch.long, device=device), inputs_embeds=None,
+            attention_layers=self.attention_layers if want_attn else (),
+            slot_list=[r.slot for r in rows], max_position=key_len, row_invariant=True, tree_rows=None,
+            tree_width=1, row_lengths=[1] * b, logit_index_host=[[0]] * b,
+        )
+        logits, attn = self.target.forward_batch(self.cache, batch)  # [B, 1, V]
+        self.target_forwards += 1
+        self._forwards_this_step += 1
+        return self._verify_and_commit(rows, logits, attn, sub, torch.ones((b, 1, 1), dtype=torch.bool, device=device))
+
     @staticmethod
     def _subset(compiled: CompiledTrees, index: list[int]) -> CompiledTrees:
         if index == list(range(compiled.batch)):
@@ -745,7 +772,7 @@ class SpeculativeExecutor:
         if all(greedy) and (sub is None or sub.width == 1):
             # every row greedy and every tree its root alone (no drafts this step, or prefills): the token is the
             # argmax of logits row 0 and the path the root, as the general verification below gives them, in
-            # a fifth of its small tensor operations (tests/test_engine_hostwork.py)
+            # a fraction of its small tensor operations (tests/test_engine_hostwork.py)
             return self._commit_roots(rows, logits, attn, finite, argmax)
         last = torch.zeros(b, dtype=torch.long, device=device)
         bonus = torch.zeros(b, dtype=torch.long, device=device)
