@@ -136,7 +136,8 @@ class StreamingVad:
         without it; everything else (each frame's 64-sample context, its RMS, the speech flags) is computed for
         all frames of the chunk at once. On one core of the AVX2-only AMD EPYC Zen 3 of ``docs/benchmarks.md``,
         the 32.5-s espeak-ng recording took 0.23 s frame by frame and 0.074 s in blocks, the 62-s bulletin 0.44 s
-        and 0.18 s (same probabilities; read bandwidth not measured in this probe)."""
+        and 0.18 s (same probabilities; read bandwidth not measured in this probe). Streams share one session and
+        take turns per call: a stream with a long chunk holds the others for one block at a time (about 35 ms)."""
         buf = np.concatenate([self._pending, np.asarray(samples, dtype=np.float32)])
         n = len(buf) // FRAME
         if n:

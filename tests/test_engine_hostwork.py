@@ -274,4 +274,4 @@ def test_a_plain_greedy_step_builds_and_verifies_in_few_tensor_operations(tmp_pa
     with_lp = _verify_ops(eng, prompt, 4, logprobs=True)
     assert len(set(plain)) == 1 and len(set(with_lp)) == 1, (plain, with_lp)  # the same work every step
     assert plain[0] <= 32, plain
-    assert with_lp[0] <= plain[0] + 10, (plain, with_lp)
+    assert with_lp[0] <= plain[0] + 12, (plain, with_lp)
