@@ -53,8 +53,12 @@ def silero_model_path() -> Path:
     return path
 
 
-@lru_cache(maxsize=1)
-def _session():
+def _open(path: Path):
+    """An onnxruntime session of ``path`` on one thread (streams share it; see ``_RUN_LOCK``).
+
+    Raises:
+        VadUnavailableError: onnxruntime is not installed.
+    """
     try:
         import onnxruntime
     except ImportError:
@@ -64,8 +68,13 @@ def _session():
     opts.inter_op_num_threads = 1
     opts.intra_op_num_threads = 1
     opts.log_severity_level = 3
-    return onnxruntime.InferenceSession(str(silero_model_path()), sess_options=opts,
-                                        providers=["CPUExecutionProvider"])
+    return onnxruntime.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+@lru_cache(maxsize=1)
+def _session():
+    """The per-frame model's session (``silero_vad.onnx``)."""
+    return _open(silero_model_path())
 
 
 @lru_cache(maxsize=1)
@@ -74,15 +83,7 @@ def _sequence_session():
     ``[1, 1, 128]`` in; per-frame probabilities ``[T]`` and the state out), or None when the installed silero-vad
     does not ship it."""
     path = silero_model_path().with_name("silero_vad_16k_sequence.onnx")
-    if not path.is_file():
-        return None
-    import onnxruntime
-
-    opts = onnxruntime.SessionOptions()
-    opts.inter_op_num_threads = 1
-    opts.intra_op_num_threads = 1
-    opts.log_severity_level = 3
-    return onnxruntime.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    return _open(path) if path.is_file() else None
 
 
 _RUN_LOCK = threading.Lock()
@@ -136,7 +137,8 @@ class StreamingVad:
         without it; everything else (each frame's 64-sample context, its RMS, the speech flags) is computed for
         all frames of the chunk at once. On one core of the AVX2-only AMD EPYC Zen 3 of ``docs/benchmarks.md``,
         the 32.5-s espeak-ng recording took 0.23 s frame by frame and 0.074 s in blocks, the 62-s bulletin 0.44 s
-        and 0.18 s (same probabilities; read bandwidth not measured in this probe). Streams share one session and
+        and 0.18 s (same probabilities; read bandwidth and faster-whisper not measured in this probe: the offline
+        transcription run of 13:37 UTC in ``docs/benchmarks.md`` has both). Streams share one session and
         take turns per call: a stream with a long chunk holds the others for one block at a time (about 35 ms)."""
         buf = np.concatenate([self._pending, np.asarray(samples, dtype=np.float32)])
         n = len(buf) // FRAME
@@ -144,7 +146,6 @@ class StreamingVad:
             frames = buf[:n * FRAME].reshape(n, FRAME)
             inputs = np.concatenate([np.concatenate([self._context, frames[:-1, -CONTEXT:]]), frames], axis=1)
             rms = np.sqrt(np.mean(frames * frames, axis=1))  # [n]
-            sr = np.array(SAMPLE_RATE, dtype=np.int64)
             state, probs = self._state, np.empty(n, dtype=np.float32)
             seq = _sequence_session() if n > 1 else None
             if seq is not None:
@@ -155,6 +156,7 @@ class StreamingVad:
                     probs[a:a + SEQUENCE_BLOCK] = out.reshape(-1)
                 state = np.concatenate([h, c])
             else:
+                sr = np.array(SAMPLE_RATE, dtype=np.int64)
                 for i in range(n):
                     with _RUN_LOCK:
                         out, state = self._sess.run(None, {"input": inputs[i:i + 1], "state": state, "sr": sr})
