@@ -206,3 +206,34 @@ def test_compile_trees_equals_the_draw_by_draw_tables_on_random_batches():
                 assert got.dtype == want.dtype and torch.equal(got, want), name
         assert ct.host_sizes == [len(tr) for tr in trees] and ct.host_draws == [len(tr.draws) for tr in trees]
         assert ct.max_depth == max(tr.max_depth for tr in trees)
+
+
+def test_roots_alone_compile_to_the_general_tables_in_few_operations():
+    """A step without drafts (every tree its root alone): the tables are those of the general path (checked here
+    against the same batch padded to two columns, whose first column they must equal) from a third of its tensor
+    operations (9 against 24 for three roots; the general path's flat host list and scatters cost 0.16 ms a step,
+    this 0.04 ms)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    roots = [TokenTree(7), TokenTree(8), TokenTree(9)]
+    with Count():
+        ct = compile_trees(roots, "cpu", vocab_size=6)
+    assert Count.n <= 10, Count.n
+    assert ct.tokens.tolist() == [[7], [8], [9]] and ct.parents.tolist() == [[-1]] * 3
+    assert ct.depths.tolist() == [[0]] * 3 and ct.num_nodes.tolist() == [1, 1, 1]
+    assert ct.draw_child.tolist() == [[[-1]]] * 3 and ct.q is None and ct.max_depth == 0
+    assert ct.host_sizes == [1, 1, 1] and ct.host_draws == [0, 0, 0] and ct.width == 1
+    wide = compile_trees(roots, "cpu", vocab_size=6, pad_to=2)  # the general path (two node columns)
+    for name in ("tokens", "parents", "depths", "num_nodes"):
+        a, b = getattr(ct, name), getattr(wide, name)
+        assert a.dtype == b.dtype and torch.equal(a, b[:, :1] if a.dim() == 2 else b), name
+    for name in ("draw_child", "draw_kind", "draw_q", "draw_uniform"):
+        a, b = getattr(ct, name), getattr(wide, name)
+        assert a.dtype == b.dtype and torch.equal(a, b[:, :1, :1]), name

@@ -302,8 +302,10 @@ def compile_trees(trees: list[TokenTree], device: torch.device | str, vocab_size
     b = len(trees)
     sizes = [len(tr) for tr in trees]
     t = max(sizes + [pad_to or 1])
-    k = max([max(tr._n_at) for tr in trees] + [1])
     n_draws = [len(tr.draws) for tr in trees]
+    if t == 1 and not any(n_draws):
+        return _compile_roots(trees, device, sizes)
+    k = max([max(tr._n_at) for tr in trees] + [1])
     # one flat host list: per node (tokens, parents, depths, flat node index), then per draw (flat table index,
     # child, kind, order in its tree's log, q row)
     node_pos: list[int] = []
@@ -366,6 +368,23 @@ def compile_trees(trees: list[TokenTree], device: torch.device | str, vocab_size
         draw_kind=table[1], draw_q=table[2], draw_uniform=table[3], q=q,
         max_depth=max(tr.max_depth for tr in trees) if trees else 0,
         host_sizes=sizes, host_draws=n_draws,
+    )
+
+
+def _compile_roots(trees: list[TokenTree], device: torch.device | str, sizes: list[int]) -> CompiledTrees:
+    """:func:`compile_trees` of a step whose trees are each a root alone, without draws (no drafts this step): the
+    same tensors (``T = K = 1``) from one host->device copy of the root tokens and a few fills, instead of the
+    general path's flat host list, scatters and tables."""
+    b = len(trees)
+    tokens = torch.tensor([tr.tokens[:1] for tr in trees], dtype=torch.long, device=device)  # [B, 1]
+    table = torch.zeros((3, b, 1, 1), dtype=torch.long, device=device)  # draw kind, q row, uniform: none
+    return CompiledTrees(
+        tokens=tokens, parents=torch.full((b, 1), -1, dtype=torch.long, device=device),
+        depths=torch.zeros((b, 1), dtype=torch.long, device=device),
+        num_nodes=torch.ones(b, dtype=torch.long, device=device),
+        draw_child=torch.full((b, 1, 1), -1, dtype=torch.long, device=device),
+        draw_kind=table[0], draw_q=table[1], draw_uniform=table[2], q=None, max_depth=0,
+        host_sizes=sizes, host_draws=[0] * b,
     )
 
 
