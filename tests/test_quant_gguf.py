@@ -124,3 +124,38 @@ def test_gguf_int4_engine_greedy_speculative_equals_no_speculation(tmp_path, cac
     prompts = [[3, 4, 5, 3, 4, 5], [10, 11]]
     a, b = plain.generate(prompts, 12), spec.generate(prompts, 12)
     assert [r.output_ids for r in b] == [r.output_ids for r in a]
+
+
+def test_a_second_dtype_of_the_same_file_copies_the_tokenizer_instead_of_rebuilding_it(tmp_path, cache,
+                                                                                     monkeypatch):
+    """The tokenizer does not depend on the weights' format: the int8 and int4 conversions of a file whose float32
+    conversion exists copy its tokenizer files (rebuilding them through transformers parses the vocabulary and
+    merges again: about 17 s per conversion of the real 1.5B Qwen2.5 file). A changed file converts its tokenizer
+    again (another fingerprint), and so does a file with no earlier conversion."""
+    import transformers
+
+    built: list[str] = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def counting(*args, **kwargs):
+        built.append(kwargs.get("gguf_file"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counting)
+    src = _gguf(tmp_path, "Q4_0")
+    f32 = resolve_checkpoint(src).path
+    c8 = resolve_checkpoint(src, dtype="int8").path
+    c4 = resolve_checkpoint(src, dtype="int4").path
+    assert built == [src.name]  # one tokenizer conversion for the three formats
+    names = sorted(p.name for p in f32.iterdir() if p.name in G.TOKENIZER_FILES)
+    assert "tokenizer.json" in names and "tokenizer_config.json" in names
+    for folder in (c8, c4):
+        assert sorted(p.name for p in folder.iterdir() if p.name in G.TOKENIZER_FILES) == names
+        for name in names:
+            assert (folder / name).read_bytes() == (f32 / name).read_bytes(), (folder.name, name)
+    text = "the cat sat in the hat"
+    assert Checkpoint(c4).tokenizer.encode(text).ids == Checkpoint(f32).tokenizer.encode(text).ids
+    # another file (its own fingerprint) builds its own tokenizer, even beside these conversions
+    other = _gguf(tmp_path, "Q8_0")
+    resolve_checkpoint(other, dtype="int8")
+    assert built == [src.name, other.name]
