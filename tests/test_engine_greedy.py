@@ -319,3 +319,31 @@ def test_logprobs_equal_hf_log_softmax_with_and_without_drafts(tiny, hf_target, 
     assert plain.output_logprobs == [] and len(plain.output_ids) == 12
     if drafts == ("same",):
         assert reqs[0].stats.mean_accepted > 3  # the values came from tree rows, not only prefill rows
+
+
+def test_a_reconfigured_engine_shares_the_weights_and_stays_exact(tiny, references):
+    """``reconfigured``: another configuration (slots, tree, the n-gram drafter, drafts off) over the loaded
+    weights, with its own caches: the same target and draft modules (nothing loaded again), HF's greedy tokens in
+    every configuration, and the first engine still exact after the second ran."""
+    from specstream.stages.speculative.drafters.model import ModelDrafter
+    from specstream.stages.speculative.drafters.ngram import NgramDrafter
+
+    first = engine(tiny, ["noisy"], tree="1,1,3,1,1,1,1,1", adaptive=False)
+    prompts = PROMPTS + REPETITIVE
+    draft = first.executor.drafters[0]
+    cases = [(EngineConfig(num_slots=4, max_len=128, tree=TreeSpec.parse("2,2,2"), adaptive=False), True, True),
+             (EngineConfig(num_slots=2, max_len=64, adaptive=False), False, False)]
+    for cfg, drafts, ngram in cases:
+        eng = first.reconfigured(cfg, drafts=drafts, ngram=ngram)
+        assert eng.target is first.target and eng.executor.cache is not first.executor.cache
+        models = [d for d in eng.executor.drafters if isinstance(d, ModelDrafter)]
+        assert [d.model for d in models] == ([draft.model] if drafts else [])
+        assert all(d.cache is not draft.cache for d in models)
+        assert any(isinstance(d, NgramDrafter) for d in eng.executor.drafters) == ngram
+        assert eng.max_len == cfg.max_len and eng.executor.cache.num_slots == cfg.num_slots
+        for prompt, req in zip(prompts, eng.generate(prompts, 24)):
+            assert req.output_ids == references[tuple(prompt)][:24]
+        if drafts:
+            assert sum(r.stats.target_steps for r in eng.generate(prompts, 24)) < 24 * len(prompts)
+    for prompt, req in zip(prompts, first.generate(prompts, 24)):
+        assert req.output_ids == references[tuple(prompt)][:24]

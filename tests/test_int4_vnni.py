@@ -195,7 +195,9 @@ def test_the_avx2_build_gives_the_avx512_builds_bits(monkeypatch):
     x = _activations(13, 1536)
     x[3, 40] = float("nan")  # a NaN group stays NaN in both
     monkeypatch.setenv("SPECSTREAM_KERNEL_ISA", "avx2")
-    avx2 = int4_vnni.compile_extension("specstream_int4", (int4_vnni._SOURCE, int4_vnni.SIMD_HEADER), "int4 kernel")
+    # the AVX2 build of the module the engine loads (the one test_quant's AVX2-only CPU loads too: one build of
+    # about 40 s for both, where a module of the int4 product alone was a second)
+    avx2 = int4_vnni.compile_extension("specstream_kernels", int4_vnni.MODULE_SOURCES, "C++ kernels")
     assert avx2.isa == "avx2"
     for rows in (1, 5, 13):
         assert torch.equal(avx2.int4_mm(x[:rows].contiguous(), packed, 0).view(torch.int16),

@@ -144,12 +144,17 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
     max_len = max(len(ids) for ids, _ in prompts.values()) + new_tokens + 32
     check_configs(configs)
     results: dict = {"configs": {}, "new_tokens": new_tokens, "batch": batch, "dtype": dtype}
-    for cname in configs or list(CONFIGS):
+    names = configs or list(CONFIGS)
+    loaded = None  # the target (and the draft, when a configuration uses it) are loaded once for all of them
+    for cname in names:
         tree, with_draft, speculate = CONFIGS[cname]
         config = EngineConfig(num_slots=max(len(v) for v in loads.values()), max_len=max_len,
                               tree=TreeSpec.parse(tree or "1"), adaptive=adaptive)
-        engine = SpeculativeEngine.from_checkpoints(target, [draft] if with_draft else [], config=config,
-                                                    dtype=dtype)
+        if loaded is None:
+            any_draft = any(CONFIGS[c][1] for c in names)
+            loaded = SpeculativeEngine.from_checkpoints(target, [draft] if any_draft else [], config=config,
+                                                        dtype=dtype)
+        engine = loaded.reconfigured(config, drafts=with_draft)
         gd = engine.executor.grammar_drafter
         results.setdefault("target_weight_bytes", weight_bytes(engine.executor.target))  # one target for all
 
@@ -202,7 +207,7 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
                 f"{rec['forced_share']:.2f} constraint {1000 * rec['constraint_s_per_step']:.2f} ms/step "
                 f"({100 * rec['constraint_share']:.1f}%), valid {valid}/{len(outs)} (cut {cut})")
         results["configs"][cname] = per
-        engine = gd = None  # freed before the next configuration loads
+        engine = gd = None  # its caches freed before the next configuration's are made
         gc.collect()
     base = results["configs"].get("constrained/no-spec")
     for cname, per in results["configs"].items():
