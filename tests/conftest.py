@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -121,11 +122,26 @@ if "SPECSTREAM_CACHE" not in os.environ or os.environ.get("SPECSTREAM_TEST_CACHE
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules marked ``exclusive`` run first (a stable sort: modules and the tests in them keep their order).
-    pytest-xdist's ``loadscope`` hands out modules in collection order. An exclusive module that comes up while
-    the other worker is inside a long module waits for that one to end, with its own worker idle (the sampling
-    enumerations run for minutes). At the start, nothing long is running yet."""
-    items.sort(key=lambda item: item.get_closest_marker("exclusive") is None)
+    """The order pytest-xdist hands out modules in (``--dist loadscope --no-loadscope-reorder``: its own reorder,
+    by number of tests, put the exclusive modules in the middle of the run). Modules marked ``exclusive`` go first:
+    one that comes up while the other worker is inside a long module waits for that one to end, with its own worker
+    idle (the sampling enumerations run for minutes), and at the start nothing long is running yet. An exclusive
+    module that prepares beside the others first (``prepare_before_exclusive``, see ``_module_lock``) goes after the
+    other exclusive ones. Then the other modules, those with more tests first (xdist's reorder). A module's tests
+    stay together and in their order."""
+    def kind(item) -> int:
+        if item.get_closest_marker("exclusive") is None:
+            return 2
+        return 1 if getattr(item.module, "prepare_before_exclusive", None) is not None else 0
+
+    module = [item.nodeid.split("::", 1)[0] for item in items]
+    count: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for i, m in enumerate(module):
+        count[m] = count.get(m, 0) + 1
+        first.setdefault(m, i)
+    keys = {id(item): (kind(item), -count[m], first[m], i) for i, (item, m) in enumerate(zip(items, module))}
+    items.sort(key=lambda item: keys[id(item)])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -133,8 +149,9 @@ def _module_lock(request):
     """The suite runs on two pytest-xdist workers (``addopts``). A module marked ``exclusive`` (the real Qwen pair
     beside its HF reference, about 18 GB at its peak; the subtitle tests that stream at real-time pace) runs with
     no other module beside it: it takes an exclusive ``flock`` on a file of this run, every other module a shared
-    one, and a waiting exclusive module goes before modules that ask after it (``tests/module_lock.py``). In one
-    process (``-n 0``) nothing is locked."""
+    one, and a waiting exclusive module goes before modules that ask after it (``tests/module_lock.py``). An
+    exclusive module's ``prepare_before_exclusive()`` (the real pair's download and conversions) runs first under a
+    shared lock, beside ordinary modules. In one process (``-n 0``) nothing is locked."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:
         yield
@@ -142,13 +159,24 @@ def _module_lock(request):
     from module_lock import module_lock
 
     exclusive = request.node.get_closest_marker("exclusive") is not None
-    lock = module_lock(os.path.join(tempfile.gettempdir(), f"specstream-tests-{run}.lock"), exclusive)
+    path = os.path.join(tempfile.gettempdir(), f"specstream-tests-{run}.lock")
+    prepare = getattr(request.module, "prepare_before_exclusive", None) if exclusive else None
+    lock = module_lock(path, exclusive)
     # the wait for the other worker's module is not this test's time: pytest-timeout's alarm (SIGALRM, its signal
     # method) is paused while waiting, and resumes with the time it had left (a module waiting out the real-weight
     # module, over 600 s in CI, failed its first test's setup on the timeout)
     left, interval = signal.getitimer(signal.ITIMER_REAL)
     signal.setitimer(signal.ITIMER_REAL, 0)
     try:
+        if prepare is not None:
+            # an exclusive module's cold work (downloads, conversions: mostly one core) under a shared lock, beside
+            # the other worker's ordinary modules; its own subprocess timeouts bound it. A failure here is not
+            # reported: the module's fixtures do the same work and fail with their own message.
+            with module_lock(path, False):
+                try:
+                    prepare()
+                except (Exception, pytest.fail.Exception) as exc:
+                    warnings.warn(f"{request.module.__name__}.prepare_before_exclusive failed: {exc}")
         lock.__enter__()
     finally:
         if left > 0:

@@ -56,17 +56,32 @@ def test_a_waiting_exclusive_module_goes_before_later_shared_ones(tmp_path):
 
 
 def test_exclusive_modules_are_collected_first_in_their_order():
-    """The suite's collection puts the modules marked ``exclusive`` first and keeps every other order."""
+    """The suite's collection puts the modules marked ``exclusive`` first (one that prepares beside the others
+    after those that do not), then the other modules with more tests first; a module's tests stay together and in
+    their order. xdist's own reorder (by number of tests, which put the exclusive modules in the middle of the run)
+    is off, so this order is the order modules are handed out in."""
+    import types
+    import tomllib
+    from pathlib import Path
+
     import conftest
 
+    plain, prepared = types.ModuleType("plain"), types.ModuleType("prepared")
+    prepared.prepare_before_exclusive = lambda: None
+
     class Item:
-        def __init__(self, name, exclusive):
-            self.name, self.exclusive = name, exclusive
+        def __init__(self, nodeid, exclusive, module=plain):
+            self.nodeid, self.exclusive, self.module = nodeid, exclusive, module
 
         def get_closest_marker(self, name):
             return object() if name == "exclusive" and self.exclusive else None
 
-    items = [Item("a::1", False), Item("b::1", True), Item("a::2", False), Item("c::1", False),
-             Item("d::1", True), Item("d::2", True)]
+    items = [Item("a.py::1", False), Item("w.py::1", True, prepared), Item("b.py::1", True), Item("a.py::2", False),
+             Item("c.py::1", False), Item("c.py::2", False), Item("c.py::3", False), Item("d.py::1", True),
+             Item("w.py::2", True, prepared), Item("d.py::2", True)]
     conftest.pytest_collection_modifyitems(None, items)
-    assert [i.name for i in items] == ["b::1", "d::1", "d::2", "a::1", "a::2", "c::1"]
+    assert [i.nodeid for i in items] == ["d.py::1", "d.py::2", "b.py::1", "w.py::1", "w.py::2", "c.py::1",
+                                         "c.py::2", "c.py::3", "a.py::1", "a.py::2"]
+    addopts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())[
+        "tool"]["pytest"]["ini_options"]["addopts"].split()
+    assert "--dist" in addopts and "loadscope" in addopts and "--no-loadscope-reorder" in addopts

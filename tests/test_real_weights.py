@@ -33,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -57,14 +58,12 @@ EOS_PROBE = {"text": "Say hi.", "suffix": "Hi!<|im_end|>\n"}  # a closed assista
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="module")
-def real_cache() -> Path:
+def _real_cache() -> Path:
     return Path(os.environ.get("SPECSTREAM_REAL_CACHE")
                 or Path.home() / ".cache" / "specstream-real-weights").expanduser()
 
 
-@pytest.fixture(scope="module")
-def real_pair(real_cache) -> dict[str, Path]:
+def _fetch_pair(real_cache: Path) -> dict[str, Path]:
     """``specstream models fetch`` of the pair (returns at once when already fetched and verified)."""
     env = {**os.environ, "SPECSTREAM_CACHE": str(real_cache)}
     cmd = [sys.executable, "-m", "specstream", "models", "fetch", TARGET, DRAFT, "--no-progress"]
@@ -75,6 +74,36 @@ def real_pair(real_cache) -> dict[str, Path]:
                     f"cache) once; the files then stay in {real_cache}.", pytrace=False)
     folders = proc.stdout.split()
     return {TARGET: Path(folders[0]), DRAFT: Path(folders[1])}
+
+
+def prepare_before_exclusive() -> None:
+    """The cold work of this module, run by ``conftest._module_lock`` before the module takes the machine alone,
+    under a shared lock (beside ordinary modules on the other xdist worker): fetching the pair, the Hugging Face
+    reference (a child process), and the float32, int8 and int4 conversions of both files. Most of it runs on one
+    core (pip, checksums, the GGUF parse and de-quantisation), so alone it left the other worker idle for minutes
+    (its first setup waited 502 s in a fresh-clone CI run). Each step is cached; the module's fixtures do the same
+    steps again, which then return at once, or fail with their own message."""
+    from specstream.stages.speculative.models.checkpoint import resolve_checkpoint
+
+    cache = _real_cache()
+    pair = _fetch_pair(cache)
+    with tempfile.TemporaryDirectory(prefix="hf-reference-") as work:
+        _hf_reference(pair, cache, Path(work))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECSTREAM_CACHE", str(cache))
+        for dtype in ("float32", "int8", "int4"):
+            for name in (TARGET, DRAFT):
+                resolve_checkpoint(next(pair[name].glob("*.gguf")), dtype=dtype, show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def real_cache() -> Path:
+    return _real_cache()
+
+
+@pytest.fixture(scope="module")
+def real_pair(real_cache) -> dict[str, Path]:
+    return _fetch_pair(real_cache)
 
 
 def reference_key(spec: dict, gguf: Path) -> str:
@@ -105,23 +134,19 @@ def reference_key(spec: dict, gguf: Path) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
-@pytest.fixture(scope="module")
-def hf(real_pair, real_cache, tmp_path_factory) -> dict:
-    """The HF reference, computed in a child process that has exited when this returns.
+def _hf_reference(real_pair: dict[str, Path], real_cache: Path, work: Path) -> Path:
+    """The folder of the HF reference, computed in a child process (in ``work``) unless already stored.
 
     It is stored in ``real_cache/hf-reference/<key>`` (:func:`reference_key`: the request, the weights file, the
     reference script, the library versions and the CPU), so a later session with the same inputs reads the
     same result instead of recomputing it (a few minutes: the 1.5B model in float32 through transformers)."""
     import shutil
 
-    from safetensors.torch import load_file
-
     gguf = next(real_pair[TARGET].glob("*.gguf"))
     spec = {"gguf": str(gguf), "threads": 2, "eos": [IM_END, ENDOFTEXT], "pad": ENDOFTEXT, "new_tokens": NEW_TOKENS,
             "sequences": SEQUENCES, "eos_probe": EOS_PROBE}
     out = real_cache / "hf-reference" / reference_key(spec, gguf)
     if not ((out / "reference.json").exists() and (out / "logits.safetensors").exists()):
-        work = tmp_path_factory.mktemp("hf-reference")
         (work / "spec.json").write_text(json.dumps(spec))
         proc = subprocess.run([sys.executable, str(HERE / "real_reference.py"), str(work / "spec.json"), str(work)],
                               capture_output=True, text=True, timeout=3000)
@@ -137,6 +162,15 @@ def hf(real_pair, real_cache, tmp_path_factory) -> dict:
             staging.rename(out)
         except OSError:  # another session stored the same reference first
             shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf(real_pair, real_cache, tmp_path_factory) -> dict:
+    """The HF reference (:func:`_hf_reference`), computed in a child process that has exited when this returns."""
+    from safetensors.torch import load_file
+
+    out = _hf_reference(real_pair, real_cache, tmp_path_factory.mktemp("hf-reference"))
     ref = json.loads((out / "reference.json").read_text())
     ref["logits"] = load_file(str(out / "logits.safetensors"))
     return ref
