@@ -123,24 +123,36 @@ if "SPECSTREAM_CACHE" not in os.environ or os.environ.get("SPECSTREAM_TEST_CACHE
 
 def pytest_collection_modifyitems(config, items):
     """The order pytest-xdist hands out modules in (``--dist loadscope --no-loadscope-reorder``: its own reorder,
-    by number of tests, put the exclusive modules in the middle of the run). Modules marked ``exclusive`` go first:
-    one that comes up while the other worker is inside a long module waits for that one to end, with its own worker
-    idle (the sampling enumerations run for minutes), and at the start nothing long is running yet. An exclusive
-    module that prepares beside the others first (``prepare_before_exclusive``, see ``_module_lock``) goes after the
-    other exclusive ones. Then the other modules, those with more tests first (xdist's reorder). A module's tests
-    stay together and in their order."""
-    def kind(item) -> int:
-        if item.get_closest_marker("exclusive") is None:
-            return 2
-        return 1 if getattr(item.module, "prepare_before_exclusive", None) is not None else 0
+    by number of tests, put the exclusive modules in the middle of the run), for two workers A and B, each handed
+    two modules at the start (the first and third to A):
 
+    1. an exclusive module that prepares beside the others (``prepare_before_exclusive``, see ``_module_lock``) to
+       A: its preparation (one core, minutes when nothing is cached) runs beside B's modules;
+    2. the largest ordinary module to B;
+    3. the other exclusive modules, after the prepared one on A (an exclusive module that comes up while the other
+       worker is inside a long module waits for that one to end, with its worker idle; placed second, one waited
+       out the whole preparation, 359 s in a fresh-clone CI run);
+    4. the other modules, those with more tests first (xdist's reorder).
+
+    Without a prepared module the exclusive modules go first (at the start nothing long is running yet). A module's
+    tests stay together and in their order."""
     module = [item.nodeid.split("::", 1)[0] for item in items]
     count: dict[str, int] = {}
-    first: dict[str, int] = {}
-    for i, m in enumerate(module):
+    kind: dict[str, int] = {}
+    for item, m in zip(items, module):
         count[m] = count.get(m, 0) + 1
-        first.setdefault(m, i)
-    keys = {id(item): (kind(item), -count[m], first[m], i) for i, (item, m) in enumerate(zip(items, module))}
+        if m not in kind:
+            kind[m] = 2 if item.get_closest_marker("exclusive") is None else (
+                0 if getattr(item.module, "prepare_before_exclusive", None) is not None else 1)
+    first = {m: i for i, m in reversed(list(enumerate(module)))}
+    by_size = lambda ms: sorted(ms, key=lambda m: (-count[m], first[m]))  # noqa: E731
+    prepared = [m for m in first if kind[m] == 0]
+    plain = [m for m in first if kind[m] == 1]
+    ordinary = by_size([m for m in first if kind[m] == 2])
+    order = (prepared[:1] + ordinary[:1] + by_size(plain) + prepared[1:] + ordinary[1:] if prepared
+             else by_size(plain) + ordinary)
+    rank = {m: r for r, m in enumerate(order)}
+    keys = {id(item): (rank[m], i) for i, (item, m) in enumerate(zip(items, module))}
     items.sort(key=lambda item: keys[id(item)])
 
 

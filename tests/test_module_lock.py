@@ -56,9 +56,9 @@ def test_a_waiting_exclusive_module_goes_before_later_shared_ones(tmp_path):
 
 
 def test_exclusive_modules_are_collected_first_in_their_order():
-    """The suite's collection puts the modules marked ``exclusive`` first (one that prepares beside the others
-    after those that do not), then the other modules with more tests first; a module's tests stay together and in
-    their order. xdist's own reorder (by number of tests, which put the exclusive modules in the middle of the run)
+    """The suite's collection order: a module that prepares beside the others first, then the largest ordinary
+    module, then the other ``exclusive`` modules (without a prepared one: those first), then the other modules
+    with more tests first; a module's tests stay together and in their order. xdist's own reorder (by number of tests, which put the exclusive modules in the middle of the run)
     is off, so this order is the order modules are handed out in."""
     import types
     import tomllib
@@ -80,8 +80,12 @@ def test_exclusive_modules_are_collected_first_in_their_order():
              Item("c.py::1", False), Item("c.py::2", False), Item("c.py::3", False), Item("d.py::1", True),
              Item("w.py::2", True, prepared), Item("d.py::2", True)]
     conftest.pytest_collection_modifyitems(None, items)
-    assert [i.nodeid for i in items] == ["d.py::1", "d.py::2", "b.py::1", "w.py::1", "w.py::2", "c.py::1",
-                                         "c.py::2", "c.py::3", "a.py::1", "a.py::2"]
+    assert [i.nodeid for i in items] == ["w.py::1", "w.py::2", "c.py::1", "c.py::2", "c.py::3", "d.py::1",
+                                         "d.py::2", "b.py::1", "a.py::1", "a.py::2"]
+    without = [i for i in items if i.module is plain]
+    conftest.pytest_collection_modifyitems(None, without)
+    assert [i.nodeid for i in without] == ["d.py::1", "d.py::2", "b.py::1", "c.py::1", "c.py::2", "c.py::3",
+                                           "a.py::1", "a.py::2"]
     addopts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())[
         "tool"]["pytest"]["ini_options"]["addopts"].split()
     assert "--dist" in addopts and "loadscope" in addopts and "--no-loadscope-reorder" in addopts
