@@ -196,7 +196,7 @@ def test_the_avx2_build_gives_the_avx512_builds_bits(monkeypatch):
     x[3, 40] = float("nan")  # a NaN group stays NaN in both
     monkeypatch.setenv("SPECSTREAM_KERNEL_ISA", "avx2")
     # the AVX2 build of the module the engine loads (the one test_quant's AVX2-only CPU loads too: one build of
-    # about 40 s for both, where a module of the int4 product alone was a second)
+    # 30-40 s for both, where a module of the int4 product alone was a second)
     avx2 = int4_vnni.compile_extension("specstream_kernels", int4_vnni.MODULE_SOURCES, "C++ kernels")
     assert avx2.isa == "avx2"
     for rows in (1, 5, 13):

@@ -145,15 +145,13 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
     check_configs(configs)
     results: dict = {"configs": {}, "new_tokens": new_tokens, "batch": batch, "dtype": dtype}
     names = configs or list(CONFIGS)
-    loaded = None  # the target (and the draft, when a configuration uses it) are loaded once for all of them
+    # the target (and the draft, when a configuration uses it) are loaded once; each configuration reconfigures
+    loaded = SpeculativeEngine.from_checkpoints(target, [draft] if any(CONFIGS[c][1] for c in names) else [],
+                                                config=EngineConfig(num_slots=1, max_len=max_len), dtype=dtype)
     for cname in names:
         tree, with_draft, speculate = CONFIGS[cname]
         config = EngineConfig(num_slots=max(len(v) for v in loads.values()), max_len=max_len,
                               tree=TreeSpec.parse(tree or "1"), adaptive=adaptive)
-        if loaded is None:
-            any_draft = any(CONFIGS[c][1] for c in names)
-            loaded = SpeculativeEngine.from_checkpoints(target, [draft] if any_draft else [], config=config,
-                                                        dtype=dtype)
         engine = loaded.reconfigured(config, drafts=with_draft)
         gd = engine.executor.grammar_drafter
         results.setdefault("target_weight_bytes", weight_bytes(engine.executor.target))  # one target for all

@@ -145,9 +145,8 @@ class SpeculativeEngine:
     def reconfigured(self, config: EngineConfig, drafts: bool = True, ngram: bool = False) -> SpeculativeEngine:
         """A new engine over this engine's loaded weights (the target, and the draft models when ``drafts``) with
         ``config``: new KV caches (``config.num_slots`` x ``config.max_len``), a new scheduler and a new n-gram
-        drafter when ``ngram`` or ``config.ngram``. Nothing is read from disk again (a float32 1.5B target loads in
-        about 12 s on a 2-core EPYC). The two engines share the weights, not their state; use one at a time from
-        one thread, as with any engine."""
+        drafter when ``ngram`` or ``config.ngram``. Nothing is read from disk again. The two engines share the weights,
+        not their state; use one at a time from one thread, as with any engine."""
         models = [d for d in self.executor.drafters if isinstance(d, ModelDrafter)] if drafts else []
         max_len = min(config.max_len, self.target.config.max_position_embeddings)
         drafters: list[Drafter] = [
