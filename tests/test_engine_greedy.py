@@ -184,14 +184,14 @@ def test_nan_logits_fail_only_that_request(tiny, tmp_path):
 
 
 def test_stream_yields_tokens_per_step(tiny, references):
-    eng = engine(tiny, ["same"], tree="1,1,1")
+    # acceptance alone sizes the trees (``cost_aware=False``): with measured costs the step gate's choice follows
+    # the wall clock, and under load (a parallel test run) it drafted fewer levels and the chunks differed
+    eng = engine(tiny, ["same"], tree="1,1,1", cost_aware=False)
     chunks = list(eng.stream(PROMPTS[4], 10))
     assert chunks[0] == tuple(references[tuple(PROMPTS[4])][:1])
     assert [t for c in chunks for t in c] == references[tuple(PROMPTS[4])][:10]
-    # the prefill's token; the step gate's warm-up (one draft level, before the draft's cost is measured) twice:
-    # the first warm-up step's draft read the prompt, which is not a measurement of a steady level's cost; then
-    # the whole 3-deep chain accepted
-    assert [len(c) for c in chunks] == [1, 2, 2, 4, 1]
+    # the prefill's token, then the whole 3-deep chain accepted (3 drafts + the bonus token) per step
+    assert [len(c) for c in chunks] == [1, 4, 4, 1]
 
 
 def test_adaptive_budget_switches_off_useless_or_costly_drafts_and_probes():
