@@ -418,8 +418,9 @@ def test_model_draft_levels_grow_from_the_end_of_the_forced_chain(tiny, schema_g
 
 
 def test_drafters_that_do_not_read_the_forced_chain_get_the_plans_tree(tiny, eos_target, schema_grammar, oracles):
-    """An n-gram drafter drafts from the root: it gets no forced tokens and the plan's node budget and depth,
-    not the ones grown by the chain, while the model drafter beside it gets both."""
+    """A drafter that does not read the forced chain (``reads_forced`` False) drafts from the root: it gets no
+    forced tokens and the plan's node budget and depth, not the ones grown by the chain, while the model drafter
+    beside it gets both."""
     from specstream.stages.speculative.drafters.base import Drafter
 
     class Recorder(Drafter):
@@ -451,3 +452,47 @@ def test_drafters_that_do_not_read_the_forced_chain_get_the_plans_tree(tiny, eos
     assert rec.seen and all(f == () and (b, d) in plan for f, b, d in rec.seen)
     grown = [(f, b, d) for f, b, d in seen_model if f]
     assert grown and all((b - len(f), d - len(f)) in plan for f, b, d in grown)
+
+
+def test_ngram_drafts_continue_after_the_forced_chain_and_stop_before_forbidden_tokens(schema_grammar):
+    """The n-gram drafter puts the forced chain first and looks up ``context + chain``: the prompt holds
+    ``{"answer": "yes", "evidence": x``, the output so far is ``{"`` and the grammar forces ``answer": ``; the
+    3-gram ``{"answer": `` continues with ``"yes", "evidence": x``, which the grammar allows up to ``evidence``
+    (the key is ``evidence_s``), so the branch stops there; the 1-gram ``": `` continues with ``x``, forbidden
+    at once, so that branch is empty. Without the grammar both branches are drafted whole (the second runs
+    into the chain itself)."""
+    from specstream.stages.speculative.drafters.ngram import NgramDrafter
+
+    text = [128, 132, 129, 34, ord("y"), ord("e"), ord("s"), 130, 133, 129, ord("x")]
+    prompt = list(text)
+    context = prompt + [128]
+    constraint = schema_grammar.constraint(len(prompt))
+    view = DraftView(constraint, len(prompt))
+    forced = tuple(view.forced_tokens(context, 8))
+    assert [VOCAB[t] for t in forced] == ["answer", '": ']
+    assert view.allowed_prefix(context, list(forced) + [34, ord("y"), ord("x")]) == len(forced) + 2
+    drafter = NgramDrafter()
+    trees = {}
+    for name, c in (("grammar", view), ("none", None)):
+        inp = DraftInput("r", 0, list(context), 1 + len(forced) + 20, len(forced) + 8, SamplingParams(),
+                         constraint=c, forced=forced)
+        (trees[name],) = drafter.propose([inp])
+    tree = trees["grammar"]
+    assert tree.path_tokens(len(forced)) == list(forced)  # nodes 1..2: the chain
+    leaves = [n for n in range(len(tree)) if not any(p == n for p in tree.parents)]
+    assert [tree.path_tokens(n) for n in leaves] == [list(forced) + [34, ord("y"), ord("e"), ord("s"), 130, 133]]
+    whole = trees["none"]
+    paths = sorted(whole.path_tokens(n) for n in range(len(whole)) if n not in whole.parents)
+    assert paths == sorted([list(forced) + text[3:11], list(forced) + [ord("x"), 128, *forced]])
+
+
+def test_greedy_constrained_ngram_speculation_equals_constrained_target_alone(eos_target, schema_grammar, oracles):
+    """Exactness with the n-gram drafter after the forced chain (and the grammar drafter): the oracle's tokens."""
+    cfg = EngineConfig(num_slots=2, tree=TreeSpec.parse("1,1,1,1,1,1"), adaptive=False)
+    eng = SpeculativeEngine.from_checkpoints(eos_target, [], ngram=True, config=cfg)
+    reqs = [eng.make_request(p, 60, logits_processors=[schema_grammar.constraint(len(p))]) for p in PROMPTS]
+    for r in reqs:
+        eng.add_request(r)
+    eng.run()
+    for r, want in zip(reqs, oracles):
+        assert r.output_ids == want and r.finish_reason == "eos"

@@ -617,7 +617,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", type=lambda s: [x for x in s.split(",") if x], default=None,
                         help=f"--real: configurations, comma-separated (default: all of "
                              f"{', '.join([*HF_CONFIGS, *CONFIGS])}; with --structured: constrained/no-spec, "
-                             f"constrained/grammar-only, constrained/specinfer)")
+                             f"constrained/grammar-only, constrained/specinfer, and constrained/grammar+ngram when "
+                             f"named)")
     parser.add_argument("--no-batch", action="store_true", help="--real: skip the batch workloads")
     parser.add_argument("--fixed-trees", action="store_true",
                         help="--real: our engines draft the configured tree every step (adaptive budget off); "

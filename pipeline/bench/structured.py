@@ -6,7 +6,9 @@ Configurations, all under the same grammar constraint (``stages/speculative/gram
 
 - ``constrained/no-spec``: one token per target step (the baseline of ``vs_no_spec``);
 - ``constrained/grammar-only``: the schema's forced tokens as the only draft (``GrammarDrafter``, no model);
-- ``constrained/specinfer``: the model draft on SpecInfer's tree ``1,1,3,1,1,1,1,1`` plus the forced tokens.
+- ``constrained/specinfer``: the model draft on SpecInfer's tree ``1,1,3,1,1,1,1,1`` plus the forced tokens;
+- ``constrained/grammar+ngram`` (only when named in ``configs``): the forced tokens and the n-gram (prompt lookup)
+  drafter after them, no draft model.
 
 Reported per workload and configuration: tokens/s, tau (committed tokens per target step), the forced-token
 drafter's share of accepted draft tokens (its accepted tokens / all accepted draft tokens; its own counter misses a
@@ -60,11 +62,14 @@ PROMPTS = {
     "caption": ("Describe a busy city street at night for a video caption, as JSON with the objects seen, the "
                 "action and any text on screen.", CAPTION_SCHEMA),
 }
-CONFIGS = {  # name -> (tree, model draft?, speculate)
-    "constrained/no-spec": (None, False, False),
-    "constrained/grammar-only": ("1,1,3,1,1,1,1,1", False, True),
-    "constrained/specinfer": ("1,1,3,1,1,1,1,1", True, True),
+CONFIGS = {  # name -> (tree, model draft?, speculate, n-gram drafter?)
+    "constrained/no-spec": (None, False, False, False),
+    "constrained/grammar-only": ("1,1,3,1,1,1,1,1", False, True, False),
+    "constrained/grammar+ngram": ("1,1,3,1,1,1,1,1", False, True, True),
+    "constrained/specinfer": ("1,1,3,1,1,1,1,1", True, True, False),
 }
+#: what runs when no configuration is named
+DEFAULT_CONFIGS = ("constrained/no-spec", "constrained/grammar-only", "constrained/specinfer")
 
 
 def check_configs(configs: list[str] | None) -> None:
@@ -122,7 +127,7 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
         decode: token ids -> text (the output checked against its schema; the end-of-sequence ids are dropped).
         new_tokens: token limit per request; batch: requests in the batch workload (0: none).
         eos: end-of-sequence ids (end every request; dropped before decoding).
-        configs: names of :data:`CONFIGS` to run (default: all); ``constrained/no-spec`` is the ratios' baseline.
+        configs: names of :data:`CONFIGS` to run (default: :data:`DEFAULT_CONFIGS`); ``constrained/no-spec`` is the ratios' baseline.
         dtype: weight precision of target and draft (``float32``, ``bfloat16``, ``int8``, ``int4``; see
             ``docs/models.md``).
     Returns ``{"configs": {name: {workload: record}}, "new_tokens", "batch", "dtype", "target_weight_bytes"}``.
@@ -144,15 +149,15 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
     max_len = max(len(ids) for ids, _ in prompts.values()) + new_tokens + 32
     check_configs(configs)
     results: dict = {"configs": {}, "new_tokens": new_tokens, "batch": batch, "dtype": dtype}
-    names = configs or list(CONFIGS)
+    names = configs or list(DEFAULT_CONFIGS)
     # the target (and the draft, when a configuration uses it) are loaded once; each configuration reconfigures
     loaded = SpeculativeEngine.from_checkpoints(target, [draft] if any(CONFIGS[c][1] for c in names) else [],
                                                 config=EngineConfig(num_slots=1, max_len=max_len), dtype=dtype)
     for cname in names:
-        tree, with_draft, speculate = CONFIGS[cname]
+        tree, with_draft, speculate, with_ngram = CONFIGS[cname]
         config = EngineConfig(num_slots=max(len(v) for v in loads.values()), max_len=max_len,
                               tree=TreeSpec.parse(tree or "1"), adaptive=adaptive)
-        engine = loaded.reconfigured(config, drafts=with_draft)
+        engine = loaded.reconfigured(config, drafts=with_draft, ngram=with_ngram)
         gd = engine.executor.grammar_drafter
         results.setdefault("target_weight_bytes", weight_bytes(engine.executor.target))  # one target for all
 

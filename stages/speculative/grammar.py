@@ -361,6 +361,23 @@ class GrammarConstraint(LogitsProcessor):
             return []
         return [int(t) for t in node.matcher.find_jump_forward_tokens()[:limit]]
 
+    def allowed_prefix(self, context: Sequence[int], tokens: Sequence[int], begin: int | None = None) -> int:
+        """How many leading ``tokens`` the grammar allows after ``context`` (prompt + committed output): the
+        index of the first forbidden one, or ``len(tokens)``. Walks the same node states the masks use (one fork
+        and one token per new node, no bitmask), so a draft chain cut here costs no mask. A context the grammar
+        does not constrain (shorter than ``begin``, or a committed output it refused) allows everything."""
+        begin = self.begin_index if begin is None else begin
+        if not tokens or len(context) < begin:
+            return len(tokens)
+        self._commit_to(list(context[begin:]))
+        if self._broken:
+            return len(tokens)
+        rel = tuple(int(t) for t in tokens)
+        for k in range(1, len(rel) + 1):
+            if self._node(rel[:k]).matcher is None:
+                return k - 1
+        return len(rel)
+
     @property
     def finished(self) -> bool:
         """True when the committed output is a complete sentence of the grammar."""
@@ -376,6 +393,10 @@ class DraftView:
 
     def forced_tokens(self, context: Sequence[int], limit: int) -> list[int]:
         return self.constraint.forced_tokens(context, limit, self.begin)
+
+    def allowed_prefix(self, context: Sequence[int], tokens: Sequence[int]) -> int:
+        """:meth:`GrammarConstraint.allowed_prefix` after a drafter's ``context``."""
+        return self.constraint.allowed_prefix(context, tokens, self.begin)
 
     def apply(self, sequences: Sequence[Sequence[int]], scores: torch.Tensor, context_len: int) -> torch.Tensor:
         """:meth:`GrammarConstraint.apply` on draft rows; every history starts with the ``context_len`` tokens

@@ -39,6 +39,7 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"
+    reads_forced = True  # the forced chain first; the lookup continues after it
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_branches: int = 3, max_depth: int = 8):
         if not 1 <= min_ngram <= max_ngram:
@@ -81,23 +82,28 @@ class NgramDrafter(Drafter):
         state["tail"] = tuple(context[max(0, n_ctx - _TAIL):n_ctx])
         return index
 
-    def continuations(self, context: list[int], depth: int, state: dict | None = None) -> list[list[int]]:
+    def continuations(self, context: list[int], depth: int, state: dict | None = None,
+                      tail: tuple[int, ...] | list[int] = ()) -> list[list[int]]:
         """Distinct continuations (longest-ngram matches first, most recent first), each up to ``depth`` long
         (``depth <= max_depth``), as a backwards scan of the whole context would find them. ``state``: the request's drafter
-        state (None: a throwaway one, O(context))."""
+        state (None: a throwaway one, O(context)). ``tail``: tokens that follow ``context`` this step only (the
+        grammar's forced chain): the lookup continues ``context + tail``, and only ``context`` is indexed."""
         if depth > self.max_depth:
             raise ValueError(f"depth {depth} > max_depth {self.max_depth}")
         index = self._index({} if state is None else state, context)
         out: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
         n_ctx, big_d = len(context), self.max_depth
-        for n in range(min(self.max_ngram, n_ctx - 1), self.min_ngram - 1, -1):
-            suffix = context[n_ctx - n:]
-            # the newest occurrences (their followers run into the context's end): compared directly
-            for start in range(n_ctx - n - 1, max(n_ctx - n - big_d, -1), -1):
-                if context[start:start + n] != suffix:
+        full_ctx = context + list(tail) if tail else context
+        n_all = len(full_ctx)
+        for n in range(min(self.max_ngram, n_all - 1), self.min_ngram - 1, -1):
+            suffix = full_ctx[n_all - n:]
+            # the newest occurrences (their followers run into the indexed context's end, or into the tail):
+            # compared directly
+            for start in range(n_all - n - 1, max(n_ctx - n - big_d, -1), -1):
+                if full_ctx[start:start + n] != suffix:
                     continue
-                cont = context[start + n:start + n + depth]
+                cont = full_ctx[start + n:start + n + depth]
                 key = tuple(cont)
                 if key not in seen:  # never empty: start + n < n_ctx
                     seen.add(key)
@@ -118,12 +124,20 @@ class NgramDrafter(Drafter):
         return out
 
     def propose(self, inputs: list[DraftInput]) -> list[TokenTree]:
+        """Per input: the grammar's forced chain (:attr:`DraftInput.forced`) below the root, then the
+        continuations of ``context + forced`` below its end. Under a grammar each continuation is cut before its
+        first token the grammar forbids (``constraint.allowed_prefix``): the target, masked by the same grammar,
+        could never accept it, so it would only cost verify rows."""
         trees = []
         for inp in inputs:
             tree = TokenTree(inp.context[-1])
-            depth = min(inp.max_depth, self.max_depth)
-            if depth > 0 and inp.node_budget > 1:
-                for cont in self.continuations(inp.context, depth, inp.state):
-                    tree.add_path(cont, self._proposal, max_nodes=inp.node_budget)
+            forced = list(inp.forced)
+            end = (tree.add_path(forced, self._proposal) or [0])[-1]
+            depth = min(inp.max_depth - len(forced), self.max_depth)
+            if depth > 0 and inp.node_budget > len(tree):
+                for cont in self.continuations(inp.context, depth, inp.state, tail=forced):
+                    if inp.constraint is not None:
+                        cont = cont[:max(0, inp.constraint.allowed_prefix(inp.context, forced + cont) - len(forced))]
+                    tree.add_path(cont, self._proposal, parent=end, max_nodes=inp.node_budget)
             trees.append(tree)
         return trees
