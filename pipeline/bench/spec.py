@@ -116,7 +116,9 @@ def run(target: Path, draft: Path, prompts: list[list[int]], max_new_tokens: int
         log(f"{name} {total / secs:.1f} tok/s")
 
     def ours(name, drafts, ngram, tree="1,1,3,1,1,1,1,1", speculate=True, batch=False, extra=None):
-        cfg = EngineConfig(num_slots=len(prompts) if batch else 1, max_len=1024, tree=TreeSpec.parse(tree))
+        # (prefix reuse off in these engines: the prompts are run again, and a repeat would skip its prefill)
+        cfg = EngineConfig(num_slots=len(prompts) if batch else 1, max_len=1024, tree=TreeSpec.parse(tree),
+                           prefix_reuse=False)
         eng = SpeculativeEngine.from_checkpoints(target, drafts, ngram=ngram, config=cfg)
         if extra is not None:
             eng.executor.drafters.append(extra)
@@ -142,7 +144,8 @@ def run(target: Path, draft: Path, prompts: list[list[int]], max_new_tokens: int
     ours("ours/no-spec-batch", [], False, speculate=False, batch=True)
     ours("ours/merged-batch", [draft], True, batch=True)
     # bfloat16: exact identity is not expected (different rounding); report the greedy agreement rate
-    cfg16 = EngineConfig(num_slots=len(prompts), max_len=1024, tree=TreeSpec.parse("1,1,3,1,1,1,1,1"))
+    cfg16 = EngineConfig(num_slots=len(prompts), max_len=1024, tree=TreeSpec.parse("1,1,3,1,1,1,1,1"),
+                         prefix_reuse=False)
     eng16 = SpeculativeEngine.from_checkpoints(target, [draft], ngram=True, config=cfg16, dtype="bfloat16")
     outs16 = [r.output_ids for r in eng16.generate(prompts, max_new_tokens)]
     agree = [sum(a == b for a, b in zip(x, y)) / len(y) for x, y in zip(outs16, reference)]
@@ -192,7 +195,7 @@ def batch_sweep(target: Path, draft: Path, batch_sizes: tuple[int, ...], max_new
         total = b * max_new_tokens
 
         def engine(drafts, ngram, tree="1,1,3,1,1,1,1,1", gate=True, extra=None):
-            cfg = EngineConfig(num_slots=b, max_len=1024, tree=TreeSpec.parse(tree))
+            cfg = EngineConfig(num_slots=b, max_len=1024, tree=TreeSpec.parse(tree), prefix_reuse=False)
             eng = SpeculativeEngine.from_checkpoints(target, drafts, ngram=ngram, config=cfg)
             if extra is not None:
                 eng.executor.drafters.append(extra)

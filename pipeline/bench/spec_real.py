@@ -239,7 +239,11 @@ def _engine(target: Path, draft: Path, tree: str | None, drafts: str | None, slo
     from specstream.stages.speculative.drafters.model import TreeSpec
     from specstream.stages.speculative.engine import EngineConfig, SpeculativeEngine
 
-    config = EngineConfig(num_slots=slots, max_len=max_len, tree=TreeSpec.parse(tree or "1"), adaptive=adaptive)
+    # the benchmark runs the same prompts again and again (warm-up, rounds, the paired no-speculation runs): a
+    # repeat would find its prompt in its slot and skip the prefill, so prefix reuse is off here and every
+    # end-to-end figure keeps its prefill (``scripts/prefix_reuse_ab.py`` measures the reuse itself)
+    config = EngineConfig(num_slots=slots, max_len=max_len, tree=TreeSpec.parse(tree or "1"), adaptive=adaptive,
+                          prefix_reuse=False)
     return SpeculativeEngine.from_checkpoints(target, [draft] if drafts else [], ngram=drafts == "draft+ngram",
                                               config=config, dtype=dtype)
 

@@ -156,7 +156,8 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
     for cname in names:
         tree, with_draft, speculate, with_ngram = CONFIGS[cname]
         config = EngineConfig(num_slots=max(len(v) for v in loads.values()), max_len=max_len,
-                              tree=TreeSpec.parse(tree or "1"), adaptive=adaptive)
+                              tree=TreeSpec.parse(tree or "1"), adaptive=adaptive,
+                              prefix_reuse=False)  # the warm-up runs the same prompt: keep the measured prefill
         engine = loaded.reconfigured(config, drafts=with_draft, ngram=with_ngram)
         gd = engine.executor.grammar_drafter
         results.setdefault("target_weight_bytes", weight_bytes(engine.executor.target))  # one target for all

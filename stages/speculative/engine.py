@@ -46,6 +46,9 @@ class EngineConfig:
             stats then depend on timing; off where results must repeat identically, e.g. Kafka redeliveries).
         attention_layers: layers whose attention on visual tokens is exported (None: the second half).
         ngram: add the n-gram (prompt lookup) drafter.
+        prefix_reuse: a request's prefill skips the leading prompt tokens whose keys/values its slot still holds
+            from the slot's previous request (a shared system prompt, a repeated prompt, a resume after
+            preemption), in the target and in the draft models; text decoders only (``docs/architecture.md``).
     """
 
     num_slots: int = 16
@@ -58,6 +61,7 @@ class EngineConfig:
     visual_aware: bool = False
     cost_aware: bool = True
     attention_layers: tuple[int, ...] | None = None
+    prefix_reuse: bool = True
 
 
 class SpeculativeEngine:
@@ -85,6 +89,7 @@ class SpeculativeEngine:
                                        attention_layers=self.config.attention_layers,
                                        visual_aware=self.config.visual_aware)
         executor.cost_aware = self.config.cost_aware
+        executor.prefix_reuse = executor.prefix_reuse and self.config.prefix_reuse
         self.eos_token_ids = tuple(eos_token_ids)
         self.tokenizer = tokenizer
         self.vocab_limit = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer else target.config.vocab_size

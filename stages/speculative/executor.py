@@ -238,6 +238,15 @@ class SpeculativeExecutor:
         self.target_forwards = 0
         #: prompt (context) tokens run through the target by prefill rows, every chunk counted (a fork adds none)
         self.prefill_tokens = 0
+        #: prompt tokens whose keys/values a prefill found still in its slot (the slot's previous request held the
+        #: same prefix) and did not run through the target again (:meth:`_reused_prefix`); counted in
+        #: :attr:`prefill_tokens` too, which is what the plans booked
+        self.prefix_reused_tokens = 0
+        #: reuse a slot's cached prompt prefix (:meth:`_reused_prefix`); off for targets whose prompt keys/values
+        #: depend on more than the token ids (an encoder output, prompt embeddings, multimodal encoders)
+        self.prefix_reuse = not hasattr(target, "set_encoder_output")
+        #: slot -> the tokens whose keys/values the slot still holds after its request was released or preempted
+        self._kept: dict[int, list[int]] = {}
         #: requests started as a fork of another's prefill (:class:`~specstream.schedulers.plan.ForkWork`)
         self.forks = 0
         n_layers = len(target.model.layers) if hasattr(target, "model") and hasattr(target.model, "layers") else 0
@@ -302,13 +311,49 @@ class SpeculativeExecutor:
     def _free_slot(self, slot: int, clear: bool = False) -> None:
         if clear:
             self.cache.clear(slot)
+            self._kept.pop(slot, None)
         else:
             self.cache.reset(slot)
         for d in self.proposers:
-            d.release(slot)
+            d.release(slot, keep=self.prefix_reuse and not clear)
+
+    def _keep(self, request_id: str, slot: int) -> None:
+        """Remember which tokens the slot's keys/values hold (the request's first ``cache.lengths[slot]`` context
+        tokens) before the slot is freed, for :meth:`_reused_prefix`; only for requests whose prompt keys/values
+        are a function of their token ids alone."""
+        st = self.states.get(request_id)
+        if st is None:  # released already (a request that finished in its step is released again by the plan)
+            return
+        n = self.cache.lengths[slot]
+        if (self.prefix_reuse and n > 0 and st.prefix_embeds is None
+                and st.encoder_output is None and not st.spec.mm_inputs and self.prefill_hook is None):
+            self._kept[slot] = st.context[:n]
+        else:
+            self._kept.pop(slot, None)
+
+    def _reused_prefix(self, st: RequestState, work: PrefillWork) -> int:
+        """How many leading prompt tokens of a request's first prefill chunk (``work.start == 0``) already have
+        their keys/values in ``work.slot``: the longest common prefix of the context and the tokens the slot's
+        previous request left there (:meth:`_keep`), at most the chunk's length - 1 (the chunk's last token runs,
+        so the final chunk still gives its logits row). The slot's record is consumed either way: the prefill
+        overwrites what follows. Reusing a cached prefix is what llama.cpp's server does per slot and vLLM's
+        automatic prefix caching does per block; here it is exact because the target's keys and values of a
+        token do not depend on the other rows of its forward (``row_invariant``), which the speculative
+        exactness already requires."""
+        kept = self._kept.pop(work.slot, None)
+        if kept is None or not self.prefix_reuse or st.prefix_embeds is not None or st.spec.mm_inputs:
+            return 0
+        ctx = st.context
+        limit = min(len(kept), work.num_tokens - 1)
+        n = 0
+        while n < limit and kept[n] == ctx[n]:
+            n += 1
+        return n
 
     def release(self, request_id: str, slot: int) -> None:
-        """A finished request: free its slot and drop its record."""
+        """A finished request: free its slot (remembering the tokens its keys/values hold, for a later request
+        with the same prompt prefix) and drop its record."""
+        self._keep(request_id, slot)
         self._free_slot(slot)
         self.drop(request_id)
 
@@ -328,6 +373,7 @@ class SpeculativeExecutor:
             st.encoder_output = saved(self.cache, slot)
         if st is not None:
             st.drafters.clear()  # their caches are freed: nothing fed survives
+        self._keep(request_id, slot)  # a resume into the same slot finds its own prefix there
         self._free_slot(slot)
 
     def register_encoder(self, modality: str, fn: Callable[[list], None]) -> None:
@@ -469,7 +515,8 @@ class SpeculativeExecutor:
         # no deeper than the request's evidence supports (``AdaptiveBudget.ramp``)
         decodes = tuple(dataclasses.replace(w, max_depth=st.budget.ramp) if w.max_depth > st.budget.ramp else w
                         for w, st in zip(decodes, states))
-        lags = [[d.lag(w.slot, len(st.draft_context)) for d in self.drafters] for w, st in zip(decodes, states)]
+        lags = [[d.lag(w.slot, len(st.draft_context), st.draft_context) for d in self.drafters]
+                for w, st in zip(decodes, states)]
         alphas = self.gate.row_alphas([st.budget.measured_alpha for st in states])
         rows = [(w.node_budget, w.max_depth, a) for w, a in zip(decodes, alphas)]
         if line is None or self._level_s is None:
@@ -527,7 +574,12 @@ class SpeculativeExecutor:
                     st.encoder_output = None  # in the slot now (a preemption copies it out again)
             if work.final and st.prefix_embeds is not None:
                 self._share_prefix_embeds(st)
-            rows.append(_Row(st, work, work.slot, work.start, st.context[work.start: work.start + work.num_tokens]))
+            start = work.start
+            if work.start == 0:
+                start = self._reused_prefix(st, work)
+                self.cache.lengths[work.slot] = start
+                self.prefix_reused_tokens += start
+            rows.append(_Row(st, work, work.slot, start, st.context[start: work.start + work.num_tokens]))
             self.prefill_tokens += work.num_tokens
         missing = set(forks) - {w.request_id for w in plan.prefills if w.final}
         if missing:
@@ -629,6 +681,7 @@ class SpeculativeExecutor:
             if src.work.start + src.work.num_tokens != len(st.context) or fw.context_len != len(st.context):
                 raise ValueError(f"fork {fw.request_id!r} has a context of {len(st.context)} "
                                  f"tokens; its source {fw.source!r} prefilled {src.prefix + len(src.tokens)}")
+            self._kept.pop(fw.slot, None)  # overwritten by the copy
             self.cache.copy_prefix(src.slot, fw.slot, src.prefix + len(src.tokens))
             work = PrefillWork(fw.request_id, fw.slot, src.work.num_tokens, src.work.start, len(st.context),
                                fw.model)
@@ -1028,7 +1081,9 @@ class SpeculativeExecutor:
                 src = [len(row.tokens) - 1] if row.is_prefill else path_nodes
                 vis = tuple(visual[i][src[k]].numpy() for k in range(min(len(new), len(src))))
             if reason is not None:
-                self.release(req.request_id, row.slot)  # finished: nothing of it stays cached
+                if row.is_prefill:  # the prompt's keys/values are in the slot: a later same-prefix prompt reuses them
+                    self.cache.lengths[row.slot] = row.prefix + len(row.tokens)
+                self.release(req.request_id, row.slot)  # finished (its cached prefix is remembered, not its state)
                 results.append(RequestStepResult(req.request_id, tuple(new), num_accepted, row.is_prefill, reason,
                                                  None, 1, visual_attention=vis, logprobs=lps))
                 continue

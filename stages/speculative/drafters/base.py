@@ -75,13 +75,16 @@ class Drafter(abc.ABC):
     def end_step(self) -> None:
         """Called once after every request of the step was observed (batched KV commit)."""
 
-    def release(self, slot: int) -> None:
-        """The request in ``slot`` ended or was preempted: forget anything cached for the slot."""
+    def release(self, slot: int, keep: bool = False) -> None:
+        """The request in ``slot`` ended or was preempted: forget anything cached for the slot. ``keep``: a
+        drafter with a KV cache may remember which tokens the slot's keys/values hold, so the slot's next request
+        reads only what follows their common prefix (the executor passes False when the slot's request failed)."""
 
-    def lag(self, slot: int, context_len: int) -> int:
+    def lag(self, slot: int, context_len: int, context: list[int] | None = None) -> int:
         """Committed tokens this drafter would read, beyond the newest one, before drafting for the request in
-        ``slot`` whose context is ``context_len`` tokens long (its whole prompt the first time, the tokens of the
-        steps it did not draft since). 0 for drafters without a cache."""
+        ``slot`` whose context is ``context_len`` tokens long (its whole prompt the first time, less a prefix the
+        slot's previous request left cached when ``context`` is given; the tokens of the steps it did not draft
+        since). 0 for drafters without a cache."""
         return 0
 
     def catch_up_token_s(self) -> float | None:

@@ -141,6 +141,8 @@ class ModelDrafter(Drafter):
         self._excess_s = 0.0  # the last catch-up's seconds spent on tokens beyond a steady step's
         self._one_off = False  # the last catch-up read mostly one-off tokens (a prompt)
         self._token_s: float | None = None  # seconds per token of long catch-up reads (EMA)
+        self._fed: dict[int, list[int]] = {}  # slot -> the context list its cache was last caught up to
+        self._kept: dict[int, list[int]] = {}  # slot -> tokens a released request left in the slot's cache
 
     # -- forwards ------------------------------------------------------------------------------------------
     def _forward(self, slots: list[int], ids: list[list[int]], positions: list[list[int]], columns: list[list[int]],
@@ -176,9 +178,8 @@ class ModelDrafter(Drafter):
             last = inp.state.get("tree")
             steady += (last.max_depth + 1 if last is not None else 1) + inp.state.get("forced", 0)
             inp.state["forced"] = len(inp.forced)
-            cached = self.cache.lengths[inp.slot]
-            if cached > len(inp.context) - 1:
-                cached = 0  # stale slot (reused or preempted): rebuild
+            cached = self._cached(inp.slot, inp.context, consume=True)
+            self._fed[inp.slot] = inp.context
             ids.append(inp.context[cached:] + list(inp.forced))
             pos.append(list(range(cached, len(inp.context) + len(inp.forced))))
             slots.append(inp.slot)
@@ -210,11 +211,25 @@ class ModelDrafter(Drafter):
             self._token_s = token_s if self._token_s is None else 0.7 * self._token_s + 0.3 * token_s
         return logits
 
-    def lag(self, slot: int, context_len: int) -> int:
+    def _cached(self, slot: int, context: list[int] | None, consume: bool = False, context_len: int = 0) -> int:
+        """Leading tokens of ``context`` whose keys/values the slot holds: its cached length, or for a slot the
+        previous request left (length 0), the common prefix of ``context`` and what that request left
+        (:meth:`release` with ``keep``), at most ``len(context) - 1``; 0 for a stale slot (reused or preempted),
+        which :meth:`_catch_up` rebuilds. ``consume``: drop the left tokens' record (the catch-up writes after
+        the prefix)."""
+        n_ctx = len(context) if context is not None else context_len
         cached = self.cache.lengths[slot]
-        if cached > context_len - 1:
-            cached = 0  # stale slot: :meth:`_catch_up` rebuilds it
-        return max(0, context_len - 1 - cached)
+        kept = self._kept.pop(slot, None) if consume else self._kept.get(slot)
+        if cached == 0 and kept and context is not None:
+            limit = min(len(kept), n_ctx - 1)
+            while cached < limit and kept[cached] == context[cached]:
+                cached += 1
+        if cached > n_ctx - 1:
+            cached = 0
+        return cached
+
+    def lag(self, slot: int, context_len: int, context: list[int] | None = None) -> int:
+        return max(0, context_len - 1 - self._cached(slot, context, context_len=context_len))
 
     def catch_up_token_s(self) -> float | None:
         return self._token_s
@@ -466,5 +481,14 @@ class ModelDrafter(Drafter):
             self._pending = []
             self.cache.compact_batch(list(slots), list(bases), list(cols))
 
-    def release(self, slot: int) -> None:
+    def release(self, slot: int, keep: bool = False) -> None:
+        fed = self._fed.pop(slot, None)
+        n = self.cache.lengths[slot]
+        if not keep:
+            self._kept.pop(slot, None)
+        elif fed is not None and n > 0:
+            self._kept[slot] = fed[:n]
+        elif fed is not None:
+            self._kept.pop(slot, None)
+        # (keep, nothing fed since the last release: the slot's cache and its record are as they were)
         self.cache.reset(slot)
