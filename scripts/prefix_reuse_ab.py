@@ -27,6 +27,7 @@ TREES = {"no-spec": None, "chain-2": "1,1", "chain-4": "1,1,1,1", "specinfer": "
 
 def main() -> int:
     from specstream.modalities.text import chat_prompt_ids
+    from specstream.pipeline import models_fetch
     from specstream.pipeline.bench.harness import machine_info, machine_line
     from specstream.pipeline.bench.spec_real import DRAFT, PROMPTS, TARGET
     from specstream.stages.serving import _eos_ids
@@ -43,6 +44,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="a JSON file for the results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    models_fetch.install()  # registered model names resolve (fetched on first use), as in the CLI
     configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in configs if c not in TREES]
     if unknown:
