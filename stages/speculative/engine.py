@@ -47,8 +47,8 @@ class EngineConfig:
         attention_layers: layers whose attention on visual tokens is exported (None: the second half).
         ngram: add the n-gram (prompt lookup) drafter.
         prefix_reuse: a request's prefill skips the leading prompt tokens whose keys/values its slot still holds
-            from the slot's previous request (a shared system prompt, a repeated prompt, a resume after
-            preemption), in the target and in the draft models; text decoders only (``docs/architecture.md``).
+            from the slot's previous request (a shared system prompt, a repeated prompt), in the target and in
+            the draft models; text decoders only (``docs/architecture.md``).
     """
 
     num_slots: int = 16
