@@ -83,3 +83,26 @@ def test_a_batch_reuses_per_slot(tiny, hf_target):
     for prompt, req in zip([PROMPTS[2], PROMPTS[0]], reqs):
         assert req.output_ids == hf_greedy(hf_target, prompt, 6)
     assert eng.executor.prefix_reused_tokens - before >= 2 * len(SHARED)
+
+
+def test_a_kv_commit_that_raises_leaves_the_slot_lengths_as_they_were():
+    """A freed slot's length says which prefix its next request may reuse, so it must never cover columns that
+    still hold tree nodes: when the compaction's copy fails (a device error), the lengths stay where they were."""
+    from specstream.stages.speculative.models.kv_cache import KVCache
+
+    cache = KVCache(num_layers=2, num_slots=2, num_kv_heads=1, max_len=16, head_dim=4, dtype=torch.float32,
+                    device="cpu")
+    cache.lengths[:] = [5, 3]
+
+    class Broken:
+        shape, device = cache.k.shape, cache.k.device
+
+        def __getitem__(self, index):
+            raise RuntimeError("device copy failed")
+
+        __setitem__ = __getitem__
+
+    cache.k = Broken()
+    with pytest.raises(RuntimeError, match="device copy failed"):
+        cache.compact_batch([0, 1], [5, 3], [[7, 9], [3]])  # slot 0 keeps two tree nodes, slot 1 its root in place
+    assert cache.lengths == [5, 3]

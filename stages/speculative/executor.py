@@ -373,7 +373,7 @@ class SpeculativeExecutor:
             st.encoder_output = saved(self.cache, slot)
         if st is not None:
             st.drafters.clear()  # their caches are freed: nothing fed survives
-        self._keep(request_id, slot)  # a resume into the same slot finds its own prefix there
+        self._keep(request_id, slot)  # what the slot holds, for whichever request prefills there next
         self._free_slot(slot)
 
     def register_encoder(self, modality: str, fn: Callable[[list], None]) -> None:

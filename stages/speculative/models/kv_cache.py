@@ -125,7 +125,9 @@ class KVCache:
         """KV commit of many slots in one gather + scatter over every layer.
 
         Slot ``slots[i]`` keeps ``src_columns[i]`` (absolute columns, increasing), moved to ``bases[i], ...``;
-        its length becomes ``bases[i] + len(src_columns[i])``.
+        its length becomes ``bases[i] + len(src_columns[i])`` once the copies are done: a copy that raises leaves
+        the lengths as they were, so no length ever covers columns that still hold tree nodes (a freed slot's
+        length says which prompt prefix its next request may reuse).
         """
         src, dst, rows = [], [], []
         for slot, base, cols in zip(slots, bases, src_columns):
@@ -134,9 +136,14 @@ class KVCache:
                 rows.append(slot)
                 src.append(list(cols))
                 dst.append(list(range(base, base + n)))
-            self.lengths[slot] = base + n
-        if not rows:
-            return
+        if rows:
+            self._move(rows, src, dst)
+        for slot, base, cols in zip(slots, bases, src_columns):
+            self.lengths[slot] = base + len(cols)
+
+    def _move(self, rows: list[int], src: list[list[int]], dst: list[list[int]]) -> None:
+        """Copy columns ``src[i]`` to ``dst[i]`` of slot ``rows[i]`` (keys, values, positions), in one gather and
+        scatter per tensor."""
         width = max(len(s) for s in src)
         scratch = self.scratch
         for s, d in zip(src, dst):  # pad with scratch -> scratch copies
