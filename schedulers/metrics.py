@@ -17,7 +17,8 @@ _SIZE_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 819
 
 
 class SchedulerMetrics:
-    """Queue depth and wait per class, batch size, tree nodes per step, tau, KV fraction, preemptions, rejections.
+    """Queue depth and wait per class, batch size, tree nodes per step, tau, KV fraction, preemptions, rejections,
+    device seconds, prefill tokens and the prompt-prefix tokens reused.
 
     Args:
         registry: where to register; a new :class:`CollectorRegistry` by default (so several schedulers, e.g. in
@@ -47,6 +48,10 @@ class SchedulerMetrics:
                                   ["model", "qos", "reason"], registry=r)
         self.device_seconds = Counter(p + "device_seconds", "Seconds of device steps spent on each model's work "
                                       "(encoders, drafts, forwards)", ["model"], registry=r)
+        self.prefill_tokens = Counter(p + "prefill_tokens", "Prompt tokens planned as prefill", ["model"], registry=r)
+        self.prefix_reused_tokens = Counter(
+            p + "prefix_reused_tokens", "Prompt tokens of a prefill whose keys/values the slot still held from its "
+            "previous request (not run through the target again)", ["model"], registry=r)
 
     def observe_step(self, plan: StepPlan, queue_depths: dict[tuple[str, str], int], kv_fraction: float) -> None:
         """Book one plan: ``queue_depths`` per (model, qos)."""

@@ -376,12 +376,18 @@ class DeviceLoop:
                     or part.admitted):
                 continue
             t0 = time.perf_counter()
-            out: StepOutput = self.runners[name].executor.execute(part)
+            executor = self.runners[name].executor
+            reused0 = getattr(executor, "prefix_reused_tokens", 0)
+            out: StepOutput = executor.execute(part)
             self.device_seconds[name] = self.device_seconds.get(name, 0.0) + (time.perf_counter() - t0)
-            metrics = self.scheduler.metrics
+            pre = sum(p.num_tokens for p in part.prefills)
+            metrics = getattr(self.scheduler, "metrics", None)
             if metrics is not None:
                 metrics.device_seconds.labels(name).inc(time.perf_counter() - t0)
-            pre = sum(p.num_tokens for p in part.prefills)
+                if pre:
+                    metrics.prefill_tokens.labels(name).inc(pre)
+                    metrics.prefix_reused_tokens.labels(name).inc(getattr(executor, "prefix_reused_tokens", 0)
+                                                                   - reused0)
             self.scheduler.observe(name, pre, pre + sum(d.node_budget for d in part.decodes), out.duration_s)
             results.extend(out.results)
             encoded.extend(out.encoded)

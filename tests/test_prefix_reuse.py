@@ -106,3 +106,19 @@ def test_a_kv_commit_that_raises_leaves_the_slot_lengths_as_they_were():
     with pytest.raises(RuntimeError, match="device copy failed"):
         cache.compact_batch([0, 1], [5, 3], [[7, 9], [3]])  # slot 0 keeps two tree nodes, slot 1 its root in place
     assert cache.lengths == [5, 3]
+
+
+def test_the_device_loop_exports_prefill_and_reused_tokens(tiny):
+    """``/metrics`` (the scheduler's registry): prompt tokens planned as prefill and those a slot still held."""
+    from specstream.schedulers.metrics import SchedulerMetrics
+    from specstream.schedulers.qos import QosConfig, QosScheduler
+
+    eng = engine(tiny, True)
+    metrics = SchedulerMetrics()
+    eng.scheduler = QosScheduler(QosConfig(num_slots=1, max_len=128, reserved_realtime_slots=0), metrics=metrics)
+    for prompt in PROMPTS[:2]:
+        eng.generate([prompt], 4)
+    text = metrics.render().decode()
+    assert f'specstream_scheduler_prefill_tokens_total{{model="default"}} {float(len(PROMPTS[0]) + len(PROMPTS[1]))}' \
+        in text
+    assert f'specstream_scheduler_prefix_reused_tokens_total{{model="default"}} {float(len(SHARED))}' in text
