@@ -377,17 +377,16 @@ class DeviceLoop:
                 continue
             t0 = time.perf_counter()
             executor = self.runners[name].executor
-            reused0 = getattr(executor, "prefix_reused_tokens", 0)
+            reused0 = executor.prefix_reused_tokens
             out: StepOutput = executor.execute(part)
             self.device_seconds[name] = self.device_seconds.get(name, 0.0) + (time.perf_counter() - t0)
             pre = sum(p.num_tokens for p in part.prefills)
-            metrics = getattr(self.scheduler, "metrics", None)
+            metrics = self.scheduler.metrics
             if metrics is not None:
                 metrics.device_seconds.labels(name).inc(time.perf_counter() - t0)
                 if pre:
                     metrics.prefill_tokens.labels(name).inc(pre)
-                    metrics.prefix_reused_tokens.labels(name).inc(getattr(executor, "prefix_reused_tokens", 0)
-                                                                   - reused0)
+                    metrics.prefix_reused_tokens.labels(name).inc(executor.prefix_reused_tokens - reused0)
             self.scheduler.observe(name, pre, pre + sum(d.node_budget for d in part.decodes), out.duration_s)
             results.extend(out.results)
             encoded.extend(out.encoded)

@@ -245,8 +245,6 @@ class SpeculativeExecutor:
         #: reuse a slot's cached prompt prefix (:meth:`_reused_prefix`); off for targets whose prompt keys/values
         #: depend on more than the token ids (an encoder output, prompt embeddings, multimodal encoders)
         self.prefix_reuse = not hasattr(target, "set_encoder_output")
-        #: slot -> the tokens whose keys/values the slot still holds after its request was released or preempted
-        self._kept: dict[int, list[int]] = {}
         #: requests started as a fork of another's prefill (:class:`~specstream.schedulers.plan.ForkWork`)
         self.forks = 0
         n_layers = len(target.model.layers) if hasattr(target, "model") and hasattr(target.model, "layers") else 0
@@ -310,8 +308,7 @@ class SpeculativeExecutor:
 
     def _free_slot(self, slot: int, clear: bool = False) -> None:
         if clear:
-            self.cache.clear(slot)
-            self._kept.pop(slot, None)
+            self.cache.clear(slot)  # and its record of held tokens
         else:
             self.cache.reset(slot)
         for d in self.proposers:
@@ -324,31 +321,20 @@ class SpeculativeExecutor:
         st = self.states.get(request_id)
         if st is None:  # released already (a request that finished in its step is released again by the plan)
             return
-        n = self.cache.lengths[slot]
-        if (self.prefix_reuse and n > 0 and st.prefix_embeds is None
-                and st.encoder_output is None and not st.spec.mm_inputs and self.prefill_hook is None):
-            self._kept[slot] = st.context[:n]
-        else:
-            self._kept.pop(slot, None)
+        plain = (self.prefix_reuse and st.prefix_embeds is None and st.encoder_output is None
+                 and not st.spec.mm_inputs and self.prefill_hook is None)
+        self.cache.keep(slot, st.context[:self.cache.lengths[slot]] if plain else None)
 
     def _reused_prefix(self, st: RequestState, work: PrefillWork) -> int:
         """How many leading prompt tokens of a request's first prefill chunk (``work.start == 0``) already have
-        their keys/values in ``work.slot``: the longest common prefix of the context and the tokens the slot's
-        previous request left there (:meth:`_keep`), at most the chunk's length - 1 (the chunk's last token runs,
-        so the final chunk still gives its logits row). The slot's record is consumed either way: the prefill
-        overwrites what follows. Reusing a cached prefix is what llama.cpp's server does per slot and vLLM's
-        automatic prefix caching does per block; here it is exact because the target's keys and values of a
-        token do not depend on the other rows of its forward (``row_invariant``), which the speculative
-        exactness already requires."""
-        kept = self._kept.pop(work.slot, None)
-        if kept is None or not self.prefix_reuse or st.prefix_embeds is not None or st.spec.mm_inputs:
-            return 0
-        ctx = st.context
-        limit = min(len(kept), work.num_tokens - 1)
-        n = 0
-        while n < limit and kept[n] == ctx[n]:
-            n += 1
-        return n
+        their keys/values in ``work.slot`` (:meth:`KVCache.reusable` of what the slot's previous request left,
+        :meth:`_keep`), at most the chunk's length - 1 (the chunk's last token runs, so the final chunk still
+        gives its logits row). The slot's record is consumed either way: the prefill overwrites what follows.
+        Reusing a cached prefix is what llama.cpp's server does per slot and vLLM's automatic prefix caching does
+        per block; here it is exact because the target's keys and values of a token do not depend on the other
+        rows of its forward (``row_invariant``), which the speculative exactness already requires."""
+        n = self.cache.reusable(work.slot, st.context, work.num_tokens - 1)
+        return 0 if st.prefix_embeds is not None or st.spec.mm_inputs else n
 
     def release(self, request_id: str, slot: int) -> None:
         """A finished request: free its slot (remembering the tokens its keys/values hold, for a later request
@@ -681,7 +667,6 @@ class SpeculativeExecutor:
             if src.work.start + src.work.num_tokens != len(st.context) or fw.context_len != len(st.context):
                 raise ValueError(f"fork {fw.request_id!r} has a context of {len(st.context)} "
                                  f"tokens; its source {fw.source!r} prefilled {src.prefix + len(src.tokens)}")
-            self._kept.pop(fw.slot, None)  # overwritten by the copy
             self.cache.copy_prefix(src.slot, fw.slot, src.prefix + len(src.tokens))
             work = PrefillWork(fw.request_id, fw.slot, src.work.num_tokens, src.work.start, len(st.context),
                                fw.model)

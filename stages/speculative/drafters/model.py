@@ -142,7 +142,6 @@ class ModelDrafter(Drafter):
         self._one_off = False  # the last catch-up read mostly one-off tokens (a prompt)
         self._token_s: float | None = None  # seconds per token of long catch-up reads (EMA)
         self._fed: dict[int, list[int]] = {}  # slot -> the context list its cache was last caught up to
-        self._kept: dict[int, list[int]] = {}  # slot -> tokens a released request left in the slot's cache
 
     # -- forwards ------------------------------------------------------------------------------------------
     def _forward(self, slots: list[int], ids: list[list[int]], positions: list[list[int]], columns: list[list[int]],
@@ -213,20 +212,14 @@ class ModelDrafter(Drafter):
 
     def _cached(self, slot: int, context: list[int] | None, consume: bool = False, context_len: int = 0) -> int:
         """Leading tokens of ``context`` whose keys/values the slot holds: its cached length, or for a slot the
-        previous request left (length 0), the common prefix of ``context`` and what that request left
-        (:meth:`release` with ``keep``), at most ``len(context) - 1``; 0 for a stale slot (reused or preempted),
-        which :meth:`_catch_up` rebuilds. ``consume``: drop the left tokens' record (the catch-up writes after
-        the prefix)."""
+        previous request left (length 0), what :meth:`KVCache.reusable` finds of ``context`` in it (at most
+        ``len(context) - 1``; :meth:`release` with ``keep``); 0 for a stale slot (reused or preempted), which
+        :meth:`_catch_up` rebuilds. ``consume``: the catch-up writes after that prefix, so the record goes."""
         n_ctx = len(context) if context is not None else context_len
         cached = self.cache.lengths[slot]
-        kept = self._kept.pop(slot, None) if consume else self._kept.get(slot)
-        if cached == 0 and kept and context is not None:
-            limit = min(len(kept), n_ctx - 1)
-            while cached < limit and kept[cached] == context[cached]:
-                cached += 1
-        if cached > n_ctx - 1:
-            cached = 0
-        return cached
+        if cached == 0 and context is not None:  # (a slot in use has no record: release made it, catch-up took it)
+            cached = self.cache.reusable(slot, context, n_ctx - 1, consume)
+        return 0 if cached > n_ctx - 1 else cached
 
     def lag(self, slot: int, context_len: int, context: list[int] | None = None) -> int:
         return max(0, context_len - 1 - self._cached(slot, context, context_len=context_len))
@@ -483,12 +476,6 @@ class ModelDrafter(Drafter):
 
     def release(self, slot: int, keep: bool = False) -> None:
         fed = self._fed.pop(slot, None)
-        n = self.cache.lengths[slot]
-        if not keep:
-            self._kept.pop(slot, None)
-        elif fed is not None and n > 0:
-            self._kept[slot] = fed[:n]
-        elif fed is not None:
-            self._kept.pop(slot, None)
-        # (keep, nothing fed since the last release: the slot's cache and its record are as they were)
+        if not keep or fed is not None:  # (keep, nothing fed since the last release: the record stands)
+            self.cache.keep(slot, fed[:self.cache.lengths[slot]] if keep else None)
         self.cache.reset(slot)

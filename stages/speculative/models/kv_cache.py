@@ -44,6 +44,9 @@ class KVCache:
         self.num_slots = num_slots
         #: replace non-finite keys/values by finite ones on write (drafters' caches)
         self.sanitize = False
+        #: slot -> the tokens whose keys/values the slot's first columns still hold after :meth:`reset`
+        #: (:meth:`keep`, read by :meth:`reusable`)
+        self.kept: dict[int, list[int]] = {}
 
     @property
     def scratch(self) -> int:
@@ -61,11 +64,34 @@ class KVCache:
         """Forget a slot's contents (the slot is freed or reused)."""
         self.lengths[slot] = 0
 
+    def keep(self, slot: int, tokens: list[int] | None) -> None:
+        """Record that the slot's first ``len(tokens)`` columns hold the keys/values of ``tokens`` at positions
+        ``0, 1, ...`` (a freed slot keeps them: :meth:`reset` only sets the length), for its next occupant
+        (:meth:`reusable`); None forgets the record."""
+        if tokens:
+            self.kept[slot] = tokens
+        else:
+            self.kept.pop(slot, None)
+
+    def reusable(self, slot: int, tokens: list[int], limit: int, consume: bool = True) -> int:
+        """How many leading ``tokens`` the slot holds by its record (:meth:`keep`): their common prefix with it,
+        at most ``limit``; 0 without one. Prompt reuse per slot, as llama.cpp's server caches a slot's prompt.
+        ``consume`` drops the record (the caller writes after that prefix)."""
+        kept = self.kept.pop(slot, None) if consume else self.kept.get(slot)
+        if not kept:
+            return 0
+        limit = min(limit, len(kept), len(tokens))
+        n = 0
+        while n < limit and kept[n] == tokens[n]:
+            n += 1
+        return n
+
     def clear(self, slot: int) -> None:
         """Zero a slot's keys and values (its request failed: nothing of it may reach the next request)."""
         self.k[:, slot].zero_()
         self.v[:, slot].zero_()
         self.lengths[slot] = 0
+        self.kept.pop(slot, None)
 
     def zero_columns(self, slot: int, start: int, end: int) -> None:
         """Zero columns ``[start, end)`` of a slot (stale entries of rejected nodes whose logits were not finite)."""
@@ -87,6 +113,7 @@ class KVCache:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
         self.positions[dst, :length] = self.positions[src, :length]
         self.lengths[dst] = length
+        self.kept.pop(dst, None)
 
     def write(self, layer: int, slots: torch.Tensor, write_index: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store new keys/values (made finite first when :attr:`sanitize` is set).
