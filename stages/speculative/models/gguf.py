@@ -536,7 +536,8 @@ def _write_tokenizer(model: GgufModel, out: Path) -> None:
     """``tokenizer.json`` + ``tokenizer_config.json`` (chat template included) via transformers' GGUF tokenizer
     conversion; copied instead from a conversion of the same file for another weight format when one exists (the
     tokenizer does not depend on the weights' format: rebuilding it parses the file's 151,936-entry vocabulary and
-    merges again: the 1.5B Qwen2.5 file's int4 conversion took 32.6 s with it and 21.5 s without, AMD EPYC Zen 4)."""
+    merges again: the 1.5B Qwen2.5 file's int4 conversion took 32.6 s with it and 21.5 s without, AMD EPYC Zen 4,
+    2026-12-07; ``docs/models.md``)."""
     sibling = _sibling_tokenizer(model.path)
     if sibling is not None:
         for name in TOKENIZER_FILES:
