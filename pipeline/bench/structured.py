@@ -127,7 +127,8 @@ def run_structured(target: Path, draft: Path, info, prompts: dict[str, tuple[lis
         decode: token ids -> text (the output checked against its schema; the end-of-sequence ids are dropped).
         new_tokens: token limit per request; batch: requests in the batch workload (0: none).
         eos: end-of-sequence ids (end every request; dropped before decoding).
-        configs: names of :data:`CONFIGS` to run (default: :data:`DEFAULT_CONFIGS`); ``constrained/no-spec`` is the ratios' baseline.
+        configs: names of :data:`CONFIGS` to run (default: :data:`DEFAULT_CONFIGS`); ``constrained/no-spec`` is
+            the ratios' baseline.
         dtype: weight precision of target and draft (``float32``, ``bfloat16``, ``int8``, ``int4``; see
             ``docs/models.md``).
     Returns ``{"configs": {name: {workload: record}}, "new_tokens", "batch", "dtype", "target_weight_bytes"}``.
