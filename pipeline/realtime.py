@@ -421,7 +421,7 @@ class RealtimeTranscriptionSession(SubtitleSession):
                     self.recognizer = rec = item.recognizer
                     while rec.ready() and not item.cleared:
                         self.busy = True
-                        self._deltas(item, await rec.process())
+                        self._deltas(item, await self._process(rec))
                         self.progress.set()
                     if not item.committed or item.cleared:
                         break

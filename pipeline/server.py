@@ -102,6 +102,10 @@ class ServerSettings(BaseSettings):
         max_final_gap_s: the most audio between two finals during speech (``StreamConfig.max_final_gap_s``; a
             guarantee, never below the span + two hops): when passes still disagree there, the latest pass's words
             are committed. Longer = fewer such forced commits with a long ``agree_span_s``, later finals.
+        catch_up_s: clock seconds a subtitle pass may start behind its audio before it moves to the newest audio
+            (``StreamConfig.catch_up_s``): on a machine whose passes take longer than the hop, finals stay about a
+            pass behind the clock instead of falling further behind. None (``--catch-up-s off``): a pass at every
+            hop position, the finals independent of the machine's speed.
     """
 
     model_config = SettingsConfigDict(env_prefix="SPECSTREAM_", extra="ignore")
@@ -134,6 +138,7 @@ class ServerSettings(BaseSettings):
     min_hop_s: float = Field(0.5, gt=0.0)
     agree_span_s: float = Field(0.0, ge=0.0)
     max_final_gap_s: float = Field(3.0, gt=0.0)
+    catch_up_s: float | None = Field(1.0, ge=0.0)
     allowed_media_domains: list[str] = Field(default_factory=list)
     media_fetch_timeout_s: float = Field(10.0, gt=0.0)
     max_image_pixels: int = Field(50_000_000, ge=1)
@@ -193,6 +198,9 @@ class ServerMetrics:
         self.backpressure = Counter("specstream_subtitle_backpressure_seconds",
                                     "Seconds subtitle sessions stopped reading their socket (backlog at the limit)",
                                     registry=registry)
+        self.skipped = Counter("specstream_subtitle_skipped_positions",
+                               "Hop positions subtitle passes skipped to catch up with the clock (catch_up_s)",
+                               registry=registry)
 
 
 class AppState:
@@ -708,13 +716,29 @@ async def _run_captions(state: AppState, path: str, prompt: str, max_new_tokens:
 
 #: ``specstream serve`` flags -> the :class:`ServerSettings` field each one sets
 SERVE_FLAGS = {"host": "--host", "port": "--port", "api_keys": "--api-key", "allowed_roots": "--allowed-root",
-               "agree_span_s": "--agree-span-s", "max_final_gap_s": "--max-final-gap-s",
+               "agree_span_s": "--agree-span-s", "max_final_gap_s": "--max-final-gap-s", "catch_up_s": "--catch-up-s",
                "caption_target": "--caption-target",
                "caption_draft": "--caption-draft", "speech_model": "--speech-model", "text_model": "--text-model",
                "text_draft": "--text-draft", "clip_model": "--clip-model", "clip_pretrained": "--clip-pretrained",
                "allowed_media_domains": "--allowed-media-domains", "media_fetch_timeout_s": "--media-fetch-timeout-s",
                "max_image_pixels": "--max-image-pixels", "max_decoded_bytes": "--max-decoded-bytes",
                "caption_dtype": "--caption-dtype", "speech_dtype": "--speech-dtype"}
+
+
+_OFF = object()  # ``--catch-up-s off``: the setting's None, told apart from a flag not given
+
+
+def _seconds_or_off(text: str):
+    """A ``--catch-up-s`` value: seconds (>= 0) or ``off``."""
+    if text.strip().lower() in ("off", "none"):
+        return _OFF
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'off', got {text!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'off', got {text!r}")
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -736,6 +760,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the most audio between two finals during speech (default 3; never below the span + two "
                              "hops; where passes still disagree, the latest one's words are committed; "
                              "SPECSTREAM_MAX_FINAL_GAP_S)")
+    parser.add_argument("--catch-up-s", type=_seconds_or_off, default=None,
+                        help="clock seconds a subtitle pass may start behind its audio before it skips to the newest "
+                             "audio (default 1; 'off': a pass at every hop position, finals independent of the "
+                             "machine's speed; SPECSTREAM_CATCH_UP_S)")
     parser.add_argument("--caption-target", default=None,
                         help="caption target VLM: checkpoint dir or hub id (default: the built-in tiny model with "
                              "untrained weights; SPECSTREAM_CAPTION_TARGET)")
@@ -788,6 +816,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                          ("allowed_roots", [Path(p) for p in args.allowed_root] if args.allowed_root else None),
                          ("agree_span_s", args.agree_span_s),
                          ("max_final_gap_s", args.max_final_gap_s), ("caption_target", args.caption_target),
+                         ("catch_up_s", args.catch_up_s),
                          ("caption_draft", args.caption_draft), ("speech_model", args.speech_model),
                          ("text_model", args.text_model), ("text_draft", args.text_draft),
                          ("clip_model", args.clip_model), ("clip_pretrained", args.clip_pretrained),
@@ -796,7 +825,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                          ("max_image_pixels", args.max_image_pixels), ("max_decoded_bytes", args.max_decoded_bytes),
                          ("caption_dtype", args.caption_dtype), ("speech_dtype", args.speech_dtype)):
         if value is not None:
-            over[field] = value
+            over[field] = None if value is _OFF else value
     try:
         return ServerSettings(**over)
     except ValidationError as exc:  # a bad flag or SPECSTREAM_* value: say which, no traceback

@@ -141,7 +141,7 @@ class SubtitleSession:
 
         s = self.settings
         self.config = StreamConfig(hop_s=s.min_hop_s, agree_span_s=s.agree_span_s,
-                                   max_final_gap_s=s.max_final_gap_s)
+                                   max_final_gap_s=s.max_final_gap_s, catch_up_s=s.catch_up_s)
         self.recognizer = self._open_stream()
         sender = asyncio.create_task(self._sender())
         worker = asyncio.create_task(self._worker())
@@ -311,7 +311,7 @@ class SubtitleSession:
                 self.audio_event.clear()
                 while rec.ready():
                     self.busy = True
-                    self._send(await rec.process())
+                    self._send(await self._process(rec))
                     self.progress.set()
                 self.busy = False
                 if self.stopping:
@@ -324,6 +324,14 @@ class SubtitleSession:
         finally:
             self.busy = False
             self.progress.set()
+
+    async def _process(self, rec) -> list:
+        """One due pass of ``rec``; the positions it skipped to catch up go to the metrics."""
+        before = rec.skipped_positions
+        out = await rec.process()
+        if rec.skipped_positions > before:
+            self.state.metrics.skipped.inc(rec.skipped_positions - before)
+        return out
 
     def _send(self, subs) -> None:
         for sub in subs:

@@ -13,10 +13,12 @@ Guarantees (tested):
   Audio leaves the buffer only when its text was committed, or when the VAD heard no speech in it, or when
   Whisper's silence rule (no-speech probability > 0.6 **and** average log-probability < -1, faster-whisper's
   rule) judged a whole ``max_buffer_s`` buffer silent.
-- **Passes at fixed audio positions.** Pass ``k`` decodes the buffer up to ``k * hop_s`` of audio (and the last one
-  up to the end of the stream), using only audio before that position (VAD frames included). So the finals depend
-  on the audio, not on how fast it arrived or how long passes took; drafts never change them (greedy verification
-  is lossless).
+- **Passes at hop positions.** Pass ``k`` decodes the buffer up to ``k * hop_s`` of audio (and the last one up to
+  the end of the stream), using only audio before that position (VAD frames included). While the passes keep up
+  (or with ``catch_up_s=None``) every position gets its pass, so the finals depend on the audio, not on how fast
+  it arrived or how long passes took; drafts never change them (greedy verification is lossless). A pass that
+  would start more than ``catch_up_s`` behind its audio moves to the newest position that has arrived (skipping
+  positions, never audio), so a slow machine's finals stay near the clock.
 - **Commit at a bound.** Complete segments are committed when the hypotheses of the last ``agree_span_s`` of audio
   agree on them (LocalAgreement; with ``agree_span_s=0`` the previous hypothesis only: LocalAgreement-2), and in
   any case: when no final was sent for ``max_final_gap_s`` of audio, what the last two hypotheses agree on (whole
@@ -153,8 +155,9 @@ class Subtitle:
 
 @dataclass(frozen=True)
 class StreamWarning:
-    """The stream cannot keep up: its passes take longer than the audio between them (``rtf > 1``), so its
-    finals fall further behind the clock with every pass (nothing is lost: the backlog grows, then backpressure).
+    """The stream cannot keep up: its passes take longer than the audio between them (``rtf > 1``), so its passes
+    skip hop positions to stay near the clock (``StreamConfig.catch_up_s``), or without the catch-up its finals fall
+    further behind the clock with every pass (nothing is lost either way: the backlog grows, then backpressure).
     Sent once per stream: on its first pass when earlier streams of the same service measured it, else as soon as
     this stream measured it (:data:`RTF_PASSES` decoding passes).
 
@@ -246,6 +249,14 @@ class StreamConfig:
         max_repeats: a token pattern (1..8 tokens) repeated this many times in a row is a loop.
         utterance_pause_s: after this much silence with everything committed, the buffer is cut.
         speculate: draft with the previous hypothesis + n-gram (False: one token per decoder step).
+        catch_up_s: clock seconds a pass may start behind the audio of its position. When the audio at the next
+            position arrived longer ago than this (the passes take longer than the hop), the pass moves forward to
+            the latest position whose audio has arrived, so finals stay within about one pass of the clock instead
+            of falling further behind with every pass (whisper_streaming's online processor likewise decodes all
+            the audio received since its last iteration). The jump stops at the final-gap deadline (one hop
+            before ``max_final_gap_s`` from the last commit) and at ``max_buffer_s``, so the guarantees in audio still hold, and it skips positions only,
+            never audio (every pass decodes the buffer from its start). None: passes at every fixed position,
+            whatever the backlog, so the finals depend on the audio alone and never on the machine's speed.
         keep_windows: keep each pass's log-mel window in its :class:`PassRecord` (tests).
     """
 
@@ -265,6 +276,7 @@ class StreamConfig:
     max_repeats: int = 4
     utterance_pause_s: float = 0.6
     speculate: bool = True
+    catch_up_s: float | None = 1.0
     keep_windows: bool = False
     vad: VadConfig = field(default_factory=VadConfig)
 
@@ -280,6 +292,8 @@ class StreamConfig:
             raise ValueError(f"max_final_gap_s must be > 0, got {self.max_final_gap_s}")
         if not self.max_backlog_s > 0:
             raise ValueError(f"max_backlog_s must be > 0, got {self.max_backlog_s}")
+        if self.catch_up_s is not None and not self.catch_up_s >= 0:
+            raise ValueError(f"catch_up_s must be >= 0 or None, got {self.catch_up_s}")
 
 
 @dataclass(frozen=True)
@@ -598,6 +612,8 @@ class StreamingRecognizer:
         self._pass_clock: list[float] = []  # clock seconds of each decoding pass
         self._warned = False
         self.passes: list[PassRecord] = []
+        #: hop positions the passes skipped to catch up with the clock (``StreamConfig.catch_up_s``)
+        self.skipped_positions = 0
         self.finals: list[Subtitle] = []
         self.warnings: list[StreamWarning] = []
         self.finished = False
@@ -646,8 +662,8 @@ class StreamingRecognizer:
         once per stream a :class:`StreamWarning` when its passes cannot keep up with real time."""
         if not self.ready():
             return []
-        pos = self._next_pos
-        self._next_pos += self._hop
+        pos = self._catch_up(self._next_pos)
+        self._next_pos = pos + self._hop
         out: list = []
         if not self.passes and not self._warned and self.service.pass_s is not None:  # known before this stream
             out.extend(self._rtf_warning(self.service.pass_s))
@@ -668,6 +684,26 @@ class StreamingRecognizer:
         return out
 
     # -- a pass ------------------------------------------------------------------------------------------------
+    def _catch_up(self, pos: int) -> int:
+        """The position of the pass due at ``pos`` (absolute sample, a multiple of the hop): ``pos`` itself, or
+        when its audio arrived more than ``catch_up_s`` of clock ago, the latest hop position whose audio has
+        arrived, but not past the final-gap deadline, one hop before ``max_final_gap_s`` from the last commit (a
+        pass there commits the words that ended a hop before it, by word times; the next one, whatever is left
+        but the trailing word: the gap in audio still holds), nor past ``max_buffer_s`` from the buffer's
+        start."""
+        lim = self.config.catch_up_s
+        end, hop = self.buffer.end, self._hop
+        latest = end - end % hop
+        if lim is None or latest <= pos or self.clock() - self._arrival_clock(pos / SAMPLE_RATE) <= lim:
+            return pos
+        cfg = self.config
+        gap = max(cfg.max_final_gap_s, cfg.agree_span_s + 2 * cfg.hop_s)  # as _gap_limits
+        cap = min(latest, self.buffer.start + int(round(cfg.max_buffer_s * SAMPLE_RATE)),
+                  self._last_commit_pos + int(round((gap - cfg.hop_s) * SAMPLE_RATE)))
+        new = max(pos, cap - cap % hop)
+        self.skipped_positions += (new - pos) // hop
+        return new
+
     def _pending(self) -> bool:
         return bool(self._hyps) and len(self._hyps[-1].text) > len(self._committed)
 
@@ -678,10 +714,12 @@ class StreamingRecognizer:
         if self._warned or not rtf > 1.0:
             return []
         self._warned = True
+        then = ("so passes skip to the newest audio to stay near the clock (finals come in larger steps)"
+                if self.config.catch_up_s is not None else "so finals fall further behind the clock")
         w = StreamWarning("falling_behind", f"this stream cannot keep up with real time: a decoding pass takes "
-                          f"{pass_s:.2f} s per {hop:.2f} s of audio (real-time factor {rtf:.2f}), so finals fall "
-                          f"further behind the clock (no audio is lost). A smaller model, a longer hop (min_hop_s) "
-                          f"or quantized weights help.", rtf, pass_s, hop, self.clock())
+                          f"{pass_s:.2f} s per {hop:.2f} s of audio (real-time factor {rtf:.2f}), {then}; no audio "
+                          f"is lost. A smaller model, a longer hop (min_hop_s) or quantized weights help.",
+                          rtf, pass_s, hop, self.clock())
         self.warnings.append(w)
         return [w]
 

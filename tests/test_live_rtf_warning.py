@@ -47,7 +47,7 @@ def test_slow_passes_send_one_warning_with_the_measured_rtf(speech_cache, tmp_pa
     from specstream.stages.streaming import RTF_PASSES, SpeechService, StreamConfig, replay
 
     rec = compose(tmp_path, SCRIPT[:1], [0.2], lead_s=0.3, name="rtf")
-    cfg = StreamConfig(hop_s=1.0)
+    cfg = StreamConfig(hop_s=1.0, catch_up_s=None)  # a pass at every position (the catch-up: test_live_catch_up)
     clock = SimTimeOnly()
     svc = _slow_service(clock, 0.25)  # keeps up: 0.25 s per 1-s hop
     fast = asyncio.run(replay(svc, rec.audio, 0.5, cfg, pace=1.0, clock=clock))

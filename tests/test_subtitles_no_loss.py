@@ -57,12 +57,15 @@ def _finals(res):
 
 def test_same_finals_at_any_pace_with_and_without_drafts(service, three):
     """Report 2 / 1: the same recording at real-time pace in 0.37-s chunks, at 4x pace in ragged chunks with drafts
-    off, and all at once: identical finals (text and times). Drafts cut the target decoder steps."""
+    off, and all at once: identical finals (text and times), with passes at every fixed position
+    (``catch_up_s=None``; the catch-up of a stream that falls behind moves them: test_live_catch_up). Drafts cut
+    the target decoder steps."""
     from specstream.stages.streaming import StreamConfig
 
-    cfg = StreamConfig(hop_s=1.0)
+    cfg = StreamConfig(hop_s=1.0, catch_up_s=None)
     slow = _replay(service, three.audio, cfg, chunk_s=0.37, pace=1.0)
-    fast = _replay(service, three.audio, StreamConfig(hop_s=1.0, speculate=False), chunk_s=[0.2, 1.3, 0.05], pace=4.0)
+    fast = _replay(service, three.audio, StreamConfig(hop_s=1.0, speculate=False, catch_up_s=None),
+                   chunk_s=[0.2, 1.3, 0.05], pace=4.0)
     burst = _replay(service, three.audio, cfg, chunk_s=0.5, pace=None)
     assert _finals(slow) == _finals(fast) == _finals(burst)
     assert [p.audio_end_s for p in slow.passes] == [p.audio_end_s for p in fast.passes]
