@@ -426,7 +426,7 @@ class RealtimeTranscriptionSession(SubtitleSession):
                     if not item.committed or item.cleared:
                         break
                     self.busy = True
-                    self._deltas(item, await rec.finish())
+                    self._deltas(item, await self._process(rec, finish=True))
                     self._event("conversation.item.input_audio_transcription.completed", item_id=item.id,
                                 content_index=0, transcript="".join(item.parts),
                                 usage={"type": "duration", "seconds": round(item.samples / SAMPLE_RATE, 3)})

@@ -104,8 +104,8 @@ class ServerSettings(BaseSettings):
             are committed. Longer = fewer such forced commits with a long ``agree_span_s``, later finals.
         catch_up_s: clock seconds a subtitle pass may start behind its audio before it moves to the newest audio
             (``StreamConfig.catch_up_s``): on a machine whose passes take longer than the hop, finals stay about a
-            pass behind the clock instead of falling further behind. None (``--catch-up-s off``): a pass at every
-            hop position, the finals independent of the machine's speed.
+            pass behind the clock instead of falling further behind, at a cost in accuracy. None (the default,
+            ``--catch-up-s off``): a pass at every hop position, the finals independent of the machine's speed.
     """
 
     model_config = SettingsConfigDict(env_prefix="SPECSTREAM_", extra="ignore")
@@ -138,7 +138,7 @@ class ServerSettings(BaseSettings):
     min_hop_s: float = Field(0.5, gt=0.0)
     agree_span_s: float = Field(0.0, ge=0.0)
     max_final_gap_s: float = Field(3.0, gt=0.0)
-    catch_up_s: float | None = Field(1.0, ge=0.0)
+    catch_up_s: float | None = Field(None, ge=0.0)
     allowed_media_domains: list[str] = Field(default_factory=list)
     media_fetch_timeout_s: float = Field(10.0, gt=0.0)
     max_image_pixels: int = Field(50_000_000, ge=1)
@@ -146,6 +146,12 @@ class ServerSettings(BaseSettings):
     realtime_max_append_bytes: int = Field(128 * 1024, ge=1024)
     caption_dtype: str = "float32"
     speech_dtype: str = "float32"
+
+    @field_validator("catch_up_s", mode="before")
+    @classmethod
+    def _catch_up_off(cls, v):
+        """``off`` (or ``none``, or empty) in ``SPECSTREAM_CATCH_UP_S`` is None, as ``--catch-up-s off``."""
+        return None if isinstance(v, str) and v.strip().lower() in ("off", "none", "") else v
 
     @field_validator("caption_dtype", "speech_dtype")
     @classmethod
@@ -762,8 +768,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "SPECSTREAM_MAX_FINAL_GAP_S)")
     parser.add_argument("--catch-up-s", type=_seconds_or_off, default=None,
                         help="clock seconds a subtitle pass may start behind its audio before it skips to the newest "
-                             "audio (default 1; 'off': a pass at every hop position, finals independent of the "
-                             "machine's speed; SPECSTREAM_CATCH_UP_S)")
+                             "audio: lower latency on a machine too slow for real time, at a cost in accuracy "
+                             "(default off: a pass at every hop position, finals independent of the machine's "
+                             "speed; SPECSTREAM_CATCH_UP_S)")
     parser.add_argument("--caption-target", default=None,
                         help="caption target VLM: checkpoint dir or hub id (default: the built-in tiny model with "
                              "untrained weights; SPECSTREAM_CAPTION_TARGET)")

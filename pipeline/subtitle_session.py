@@ -316,7 +316,7 @@ class SubtitleSession:
                 self.busy = False
                 if self.stopping:
                     self.busy = True
-                    self._send(await rec.finish())
+                    self._send(await self._process(rec, finish=True))
                     self._enqueue({"type": "done"})
                     return
         except CapacityError:
@@ -325,10 +325,11 @@ class SubtitleSession:
             self.busy = False
             self.progress.set()
 
-    async def _process(self, rec) -> list:
-        """One due pass of ``rec``; the positions it skipped to catch up go to the metrics."""
+    async def _process(self, rec, finish: bool = False) -> list:
+        """One due pass of ``rec`` (``finish``: its end of stream); the positions skipped to catch up go to the
+        metrics."""
         before = rec.skipped_positions
-        out = await rec.process()
+        out = await (rec.finish() if finish else rec.process())
         if rec.skipped_positions > before:
             self.state.metrics.skipped.inc(rec.skipped_positions - before)
         return out

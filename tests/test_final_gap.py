@@ -26,7 +26,8 @@ def recording(tmp_path_factory):
     return compose(tmp_path_factory.mktemp("gap"), SCRIPT[:2], [0.15, 0.15], name="never-agree")
 
 
-def _never_agreeing_service():
+def _never_agreeing_service(clock=None, pass_s: float = 0.0):
+    """``clock``/``pass_s``: each window decode also costs ``pass_s`` seconds of that simulated clock."""
     from specstream.stages.streaming import SpeechService
 
     class NeverAgreeing(SpeechService):
@@ -45,18 +46,33 @@ def _never_agreeing_service():
                 i += 1
             lead = words[NeverAgreeing.passes % 2]
             NeverAgreeing.passes += 1
+            if clock is not None:
+                clock.t += pass_s
             return dataclasses.replace(dec, tokens=tuple(toks[:i] + lead + toks[i:]))
 
     return NeverAgreeing(None, num_slots=2)
 
 
-def test_finals_never_stall_when_passes_never_agree(speech_cache, recording):
+@pytest.mark.parametrize("device", ["every position", "catching up"])
+def test_finals_never_stall_when_passes_never_agree(speech_cache, recording, device):
+    """With a pass at every hop position (``catch_up_s=None``, the default), and on a simulated device 3x slower
+    than real time whose passes skip positions to catch up with the clock (``catch_up_s=1``)."""
+    from test_live_rtf_warning import SimTimeOnly
+
     from specstream.stages.streaming import StreamConfig, replay
 
-    svc = _never_agreeing_service()
-    cfg = StreamConfig(hop_s=0.5)
+    if device == "every position":
+        svc, clock, pace = _never_agreeing_service(), None, None
+        cfg = StreamConfig(hop_s=0.5, catch_up_s=None)
+    else:
+        clock = SimTimeOnly()
+        svc, pace = _never_agreeing_service(clock, 1.5), 1.0
+        cfg = StreamConfig(hop_s=0.5, catch_up_s=1.0)
     assert cfg.max_final_gap_s == 3.0
-    res = asyncio.run(replay(svc, recording.audio, 0.5, cfg, pace=None))
+    res = asyncio.run(replay(svc, recording.audio, 0.5, cfg, pace=pace, clock=clock))
+    if device == "catching up":
+        ends = [p.audio_end_s for p in res.passes]
+        assert max(b - a for a, b in zip(ends, ends[1:])) > 0.5 + 1e-6, ends  # positions were skipped
     onset, speech_end = recording.spans[0][0], recording.spans[-1][1]
     during = [f.position_s for f in res.finals if f.position_s <= speech_end]
     gaps = np.diff([onset] + during)

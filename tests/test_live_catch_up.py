@@ -1,7 +1,8 @@
-"""A live stream whose passes are slower than the hop stays near the clock (``StreamConfig.catch_up_s``): when
-the audio of the next pass position arrived more than ``catch_up_s`` ago, the pass moves to the latest position
-that has arrived, so a final's latency stays about a pass or two behind the clock instead of growing with every
-pass, while no speech is lost and the final-gap guarantee (in audio) still holds.
+"""A live stream whose passes are slower than the hop stays near the clock with ``StreamConfig.catch_up_s`` (opt-in;
+off by default): when the audio of the next pass position arrived more than ``catch_up_s`` ago, the pass moves to
+the latest position that has arrived (up to the final-gap deadline), so a final's latency stays a few passes behind
+the clock instead of growing with every pass, while no speech is lost and the final-gap guarantee (in audio)
+still holds.
 
 The slow machine is deterministic: the replay's clock counts simulated time only, and each window decode of the
 real service (tiny.en) costs a fixed time on it: 1.5 s per 0.5-s hop, a real-time factor of 3 (Whisper base on
@@ -13,7 +14,8 @@ import asyncio
 
 import pytest
 
-from live_fixtures import SCRIPT, compose, uncovered_speech, wer
+from live_fixtures import SCRIPT, ServerThread, compose, free_port, uncovered_speech, wer
+from live_fixtures import metric as _metric
 from test_live_rtf_warning import SimTimeOnly, _slow_service
 from whisper_fixtures import one_torch_thread, speech_cache  # noqa: F401  (fixtures)
 
@@ -29,10 +31,11 @@ def four(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(four):
-    """The recording on the 3x-slow device with the default catch-up and with a pass at every position."""
+    """The recording on the 3x-slow device with the catch-up (1 s) and with a pass at every position (the
+    default)."""
     from specstream.stages.streaming import StreamConfig
 
-    return _run(four, StreamConfig(hop_s=0.5)), _run(four, StreamConfig(hop_s=0.5, catch_up_s=None))
+    return _run(four, StreamConfig(hop_s=0.5, catch_up_s=1.0)), _run(four, StreamConfig(hop_s=0.5))
 
 
 def _run(rec, cfg):
@@ -53,12 +56,12 @@ def _gaps_in_speech(finals, spans):
 def test_slow_passes_catch_up_with_the_clock(four, runs):
     from specstream.stages.streaming import StreamConfig
 
-    res, fixed = runs  # the defaults: catch_up_s=1.0
+    res, fixed = runs
     finals = res.finals
     lat = [f.latency_ms / 1000 for f in finals]
-    # a final is at most a few passes behind the clock, never the whole backlog of a 3x-slow device (which grows
-    # by 2 s per second of audio: about 24 s at the end of this 12-s recording without the catch-up)
-    assert finals and max(lat) <= 4 * PASS_S + 1.0, lat
+    # a final is a few passes behind the clock (4.5 s at most, measured), never the whole backlog of a 3x-slow
+    # device (which grows by 2 s per second of audio: 32.5 s at the end of this 15-s recording without the catch-up)
+    assert finals and max(lat) <= 4 * PASS_S + 2.0, lat
     # positions skipped, never audio: hop multiples, increasing, some of them more than one hop apart
     ends = [p.audio_end_s for p in res.passes]
     assert all(abs(e * 2 - round(e * 2)) < 1e-6 for e in ends[:-1]), ends
@@ -67,7 +70,8 @@ def test_slow_passes_catch_up_with_the_clock(four, runs):
     # no speech lost; the text is as good as the fixed positions'; the final-gap guarantee holds in audio
     assert uncovered_speech(four.spans, [(f.start_s, f.end_s) for f in finals]) == []
     print(f"\nWER {wer(four.text, res.text):.3f} catching up, {wer(four.text, fixed.text):.3f} at every position")
-    assert wer(four.text, res.text) <= wer(four.text, fixed.text) + 0.08, (res.text, fixed.text)
+    # fewer passes read each word (0.167 against 0.143 measured): worse, but not lost
+    assert wer(four.text, res.text) <= wer(four.text, fixed.text) + 0.15, (res.text, fixed.text)
     assert max(_gaps_in_speech(finals, four.spans)) <= StreamConfig().max_final_gap_s + 1e-6
 
 
@@ -90,15 +94,58 @@ def test_catch_up_setting_is_checked():
 
 
 def test_serve_flag_and_variable_set_the_catch_up(monkeypatch):
-    """``specstream serve --catch-up-s S|off`` over ``SPECSTREAM_CATCH_UP_S``; the default is StreamConfig's."""
+    """``specstream serve --catch-up-s S|off`` over ``SPECSTREAM_CATCH_UP_S``; the default is StreamConfig's (off)."""
     from specstream.pipeline.server import build_parser, settings_from_args
     from specstream.stages.streaming import StreamConfig
 
     parse = build_parser().parse_args
-    assert settings_from_args(parse([])).catch_up_s == StreamConfig().catch_up_s == 1.0
+    assert settings_from_args(parse([])).catch_up_s is StreamConfig().catch_up_s is None
+    assert settings_from_args(parse(["--catch-up-s", "1"])).catch_up_s == 1.0
+    monkeypatch.setenv("SPECSTREAM_CATCH_UP_S", "1")
     assert settings_from_args(parse(["--catch-up-s", "off"])).catch_up_s is None
     monkeypatch.setenv("SPECSTREAM_CATCH_UP_S", "2.5")
     assert settings_from_args(parse([])).catch_up_s == 2.5
     assert settings_from_args(parse(["--catch-up-s", "0.5"])).catch_up_s == 0.5
+    monkeypatch.setenv("SPECSTREAM_CATCH_UP_S", "off")
+    assert settings_from_args(parse([])).catch_up_s is None
     with pytest.raises(SystemExit):
         parse(["--catch-up-s", "-1"])
+
+
+def test_server_counts_the_skipped_positions(speech_cache, four):
+    """``/v1/subtitles`` with ``catch_up_s=0``: a recording sent all at once is behind from its first pass, so the
+    passes skip positions, and ``specstream_subtitle_skipped_positions_total`` counts them; every sentence still
+    reaches a final."""
+    import json
+
+    import httpx
+
+    from specstream.pipeline.server import ServerSettings
+    from specstream.stages.streaming import SpeechService
+
+    settings = ServerSettings(port=free_port(), idle_timeout_s=30.0, min_hop_s=0.5, catch_up_s=0.0)
+    srv = ServerThread(settings)
+    srv.app.state.specstream.speech = SpeechService(None, num_slots=2)
+    srv.start()
+    try:
+        async def main():
+            from websockets.asyncio.client import connect
+
+            msgs = []
+            async with connect(srv.ws_url, max_size=None) as ws:
+                pcm = (four.audio * 32768).clip(-32768, 32767).astype("<i2").tobytes()
+                for i in range(0, len(pcm), 16000):
+                    await ws.send(pcm[i:i + 16000])
+                await ws.send(json.dumps({"type": "stop"}))
+                async for m in ws:
+                    msgs.append(json.loads(m))
+            return msgs
+
+        msgs = asyncio.run(asyncio.wait_for(main(), 300))
+        metrics = httpx.get(srv.base + "/metrics").text
+    finally:
+        srv.stop()
+    assert msgs[-1] == {"type": "done"}
+    finals = [m for m in msgs if m["type"] == "final"]
+    assert not uncovered_speech(four.spans, [(f["start_s"], f["end_s"]) for f in finals]), finals
+    assert _metric(metrics, "specstream_subtitle_skipped_positions_total") >= 4

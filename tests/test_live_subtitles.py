@@ -274,7 +274,10 @@ def test_concurrent_realtime_streams_share_one_engine(sm, rec3):
     from specstream.pipeline.bench.subtitles import realtime_streams
 
     path, audio, ends = rec3
-    r = asyncio.run(realtime_streams(sm, audio, 2, max_lag_s=8.0))
+    from specstream.stages.streaming import StreamConfig
+
+    # passes at every position (catch_up_s=None): with the catch-up each stream's positions follow its own timing
+    r = asyncio.run(realtime_streams(sm, audio, 2, max_lag_s=8.0, config=StreamConfig(catch_up_s=None)))
     assert r["streams"] == 2 and len(r["per_stream"]) == 2
     duration = len(audio) / 16000
     texts = []

@@ -66,7 +66,10 @@ def server(sm):
     from specstream.pipeline.server import ServerSettings
     from specstream.stages.streaming import SpeechService
 
-    srv = ServerThread(ServerSettings(port=free_port(), api_keys=[KEY], idle_timeout_s=30.0, min_hop_s=HOP_S))
+    # passes at every hop position on both sides (the server and ``oracle``), so the transcripts compare exactly
+    # whatever the machine's speed (the catch-up would move each side's positions with its own timing)
+    srv = ServerThread(ServerSettings(port=free_port(), api_keys=[KEY], idle_timeout_s=30.0, min_hop_s=HOP_S,
+                                      catch_up_s=None))
     srv.app.state.specstream.speech = SpeechService(sm, num_slots=4)
     yield srv.start()
     srv.stop()
@@ -88,7 +91,7 @@ def oracle(sm):
     svc = SpeechService(sm, num_slots=2)
 
     def run(x16: np.ndarray) -> str:
-        res = loop.run_until_complete(replay(svc, x16, 0.5, StreamConfig(hop_s=HOP_S), pace=None))
+        res = loop.run_until_complete(replay(svc, x16, 0.5, StreamConfig(hop_s=HOP_S, catch_up_s=None), pace=None))
         return " ".join(s.text.strip() for s in res.finals if s.text.strip())
 
     yield run

@@ -198,6 +198,7 @@ def _summary(res, rec, wer, speech_end_s: float) -> dict:
         "max_final_gap_audio_s": max_final_gap(res.finals, rec.spans[0][0], speech_end_s, audio=True),
         "max_pending_speech_gap_s": max_pending_speech_gap(res.finals, rec.spans, speech_end_s),
         "finals": len(res.finals), "passes": len(res.passes), "pass_s_mean": _pass_mean(res.passes),
+        "skipped_positions": res.skipped_positions,
         "rtf": round(sum(p.wall_s for p in res.passes) / rec.duration_s, 3),
         "target_steps_per_token": round(steps / max(1, toks), 3),
         "decoded_until_s": round(res.decoded_until_s, 3), "text": res.text,
@@ -249,8 +250,13 @@ def bench_subtitles_main(argv: list[str]) -> int:
     paces = [None if x.strip() == "inf" else float(x) for x in args.paces.split(",") if x.strip()]
     base = StreamConfig()
     hop = args.hop_s or base.hop_s
-    catch_ups = [base.catch_up_s] if args.catch_up_s is None else [
-        None if x.strip().lower() == "off" else float(x) for x in args.catch_up_s.split(",") if x.strip()]
+    try:
+        catch_ups = [base.catch_up_s] if args.catch_up_s is None else [
+            None if x.strip().lower() in ("off", "none") else float(x) for x in args.catch_up_s.split(",") if x.strip()]
+        for c in catch_ups:
+            StreamConfig(catch_up_s=c)  # ValueError below 0
+    except ValueError as exc:
+        parser.error(f"--catch-up-s: {exc}")
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -321,7 +327,8 @@ def bench_subtitles_main(argv: list[str]) -> int:
             rec = next(iter(recs.values()))
             m["realtime_streams"] = []
             for n in [int(x) for x in args.streams.split(",") if x.strip()]:
-                r = asyncio.run(realtime_streams(sm, rec.audio, n, config=StreamConfig(hop_s=hop)))
+                r = asyncio.run(realtime_streams(sm, rec.audio, n,
+                                                 config=StreamConfig(hop_s=hop, catch_up_s=catch_ups[0])))
                 m["realtime_streams"].append(r)
                 log(f"  {n} real-time stream(s): keeps up {r['keeps_real_time']} (lag {r['max_lag_s']} s), p95 "
                     f"{r['final_latency_ms_p95']} ms")
