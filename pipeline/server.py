@@ -103,8 +103,8 @@ class ServerSettings(BaseSettings):
             guarantee, never below the span + two hops): when passes still disagree there, the latest pass's words
             are committed. Longer = fewer such forced commits with a long ``agree_span_s``, later finals.
         catch_up_s: clock seconds a subtitle pass may start behind its audio before it moves to the newest audio
-            (``StreamConfig.catch_up_s``): on a machine whose passes take longer than the hop, finals stay about a
-            pass behind the clock instead of falling further behind, at a cost in accuracy. None (the default,
+            (``StreamConfig.catch_up_s``): on a machine whose passes take longer than the hop, finals stay a few
+            passes behind the clock instead of falling further behind, at a cost in accuracy. None (the default,
             ``--catch-up-s off``): a pass at every hop position, the finals independent of the machine's speed.
     """
 
@@ -150,7 +150,7 @@ class ServerSettings(BaseSettings):
     @field_validator("catch_up_s", mode="before")
     @classmethod
     def _catch_up_off(cls, v):
-        """``off`` (or ``none``, or empty) in ``SPECSTREAM_CATCH_UP_S`` is None, as ``--catch-up-s off``."""
+        """``off`` (or ``none``, or empty) is None, from ``--catch-up-s`` or ``SPECSTREAM_CATCH_UP_S``."""
         return None if isinstance(v, str) and v.strip().lower() in ("off", "none", "") else v
 
     @field_validator("caption_dtype", "speech_dtype")
@@ -731,22 +731,6 @@ SERVE_FLAGS = {"host": "--host", "port": "--port", "api_keys": "--api-key", "all
                "caption_dtype": "--caption-dtype", "speech_dtype": "--speech-dtype"}
 
 
-_OFF = object()  # ``--catch-up-s off``: the setting's None, told apart from a flag not given
-
-
-def _seconds_or_off(text: str):
-    """A ``--catch-up-s`` value: seconds (>= 0) or ``off``."""
-    if text.strip().lower() in ("off", "none"):
-        return _OFF
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds or 'off', got {text!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'off', got {text!r}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The arguments of ``specstream serve`` (each flag overrides its ``SPECSTREAM_*`` variable)."""
     parser = argparse.ArgumentParser(prog="specstream serve",
@@ -766,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the most audio between two finals during speech (default 3; never below the span + two "
                              "hops; where passes still disagree, the latest one's words are committed; "
                              "SPECSTREAM_MAX_FINAL_GAP_S)")
-    parser.add_argument("--catch-up-s", type=_seconds_or_off, default=None,
+    parser.add_argument("--catch-up-s", default=None,  # seconds or "off": ServerSettings reads both
                         help="clock seconds a subtitle pass may start behind its audio before it skips to the newest "
                              "audio: lower latency on a machine too slow for real time, at a cost in accuracy "
                              "(default off: a pass at every hop position, finals independent of the machine's "
@@ -832,7 +816,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                          ("max_image_pixels", args.max_image_pixels), ("max_decoded_bytes", args.max_decoded_bytes),
                          ("caption_dtype", args.caption_dtype), ("speech_dtype", args.speech_dtype)):
         if value is not None:
-            over[field] = None if value is _OFF else value
+            over[field] = value
     try:
         return ServerSettings(**over)
     except ValidationError as exc:  # a bad flag or SPECSTREAM_* value: say which, no traceback

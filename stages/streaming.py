@@ -14,11 +14,11 @@ Guarantees (tested):
   Whisper's silence rule (no-speech probability > 0.6 **and** average log-probability < -1, faster-whisper's
   rule) judged a whole ``max_buffer_s`` buffer silent.
 - **Passes at hop positions.** Pass ``k`` decodes the buffer up to ``k * hop_s`` of audio (and the last one up to
-  the end of the stream), using only audio before that position (VAD frames included). While the passes keep up
-  (or with ``catch_up_s=None``) every position gets its pass, so the finals depend on the audio, not on how fast
-  it arrived or how long passes took; drafts never change them (greedy verification is lossless). A pass that
-  would start more than ``catch_up_s`` behind its audio moves to the newest position that has arrived (skipping
-  positions, never audio), so a slow machine's finals stay near the clock.
+  the end of the stream), using only audio before that position (VAD frames included). By default every position
+  gets its pass, so the finals depend on the audio, not on how fast it arrived or how long passes took; drafts
+  never change them (greedy verification is lossless). With ``catch_up_s`` set, a pass that would start more than
+  that behind its audio moves to the newest position that has arrived (skipping positions, never audio), so a
+  slow machine's finals stay nearer the clock.
 - **Commit at a bound.** Complete segments are committed when the hypotheses of the last ``agree_span_s`` of audio
   agree on them (LocalAgreement; with ``agree_span_s=0`` the previous hypothesis only: LocalAgreement-2), and in
   any case: when no final was sent for ``max_final_gap_s`` of audio, what the last two hypotheses agree on (whole
@@ -155,9 +155,9 @@ class Subtitle:
 
 @dataclass(frozen=True)
 class StreamWarning:
-    """The stream cannot keep up: its passes take longer than the audio between them (``rtf > 1``), so its passes
-    skip hop positions to stay near the clock (``StreamConfig.catch_up_s``), or without the catch-up its finals fall
-    further behind the clock with every pass (nothing is lost either way: the backlog grows, then backpressure).
+    """The stream cannot keep up: its passes take longer than the audio between them (``rtf > 1``), so its finals
+    fall further behind the clock with every pass, or with ``StreamConfig.catch_up_s`` set its passes skip hop
+    positions to stay nearer the clock (nothing is lost either way: the backlog grows, then backpressure).
     Sent once per stream: on its first pass when earlier streams of the same service measured it, else as soon as
     this stream measured it (:data:`RTF_PASSES` decoding passes).
 
@@ -249,18 +249,17 @@ class StreamConfig:
         max_repeats: a token pattern (1..8 tokens) repeated this many times in a row is a loop.
         utterance_pause_s: after this much silence with everything committed, the buffer is cut.
         speculate: draft with the previous hypothesis + n-gram (False: one token per decoder step).
-        catch_up_s: clock seconds a pass may start behind the audio of its position (None, the default: no
-            limit). When the audio at the next
+        catch_up_s: clock seconds a pass may start behind the audio of its position. When the audio at the next
             position arrived longer ago than this (the passes take longer than the hop), the pass moves forward to
-            the latest position whose audio has arrived, so finals stay a few passes behind the clock instead
-            of falling further behind with every pass (whisper_streaming's online processor likewise decodes all
-            the audio received since its last iteration). The jump stops at the final-gap deadline (one hop
-            before ``max_final_gap_s`` from the last commit) and at ``max_buffer_s``, so the guarantees in audio still hold, and it skips positions only,
-            never audio (every pass decodes the buffer from its start). None: passes at every fixed position,
-            whatever the backlog, so the finals depend on the audio alone and never on the machine's speed. Off by
-            default because it costs accuracy where the passes fall behind by much: on the WebSocket at real-time
-            pace with one torch thread, tiny.en's finals read at WER 0.25 with ``catch_up_s=1`` against 0.083
-            without (``docs/streaming.md``).
+            the latest position whose audio has arrived, so finals stay a few passes behind the clock instead of
+            falling further behind with every pass (whisper_streaming's online processor likewise decodes all the
+            audio received since its last iteration). The jump stops at the final-gap deadline (one hop before
+            ``max_final_gap_s`` from the last commit) and at ``max_buffer_s``, so the guarantees in audio still
+            hold, and it skips positions only, never audio (every pass decodes the buffer from its start). None
+            (the default): passes at every fixed position, whatever the backlog, so the finals depend on the audio
+            alone and never on the machine's speed. Off by default because it costs accuracy where the passes fall
+            behind by much: on the WebSocket at real-time pace with one torch thread, tiny.en's finals read at WER
+            0.25 with ``catch_up_s=1`` against 0.083 without (``docs/streaming.md``).
         keep_windows: keep each pass's log-mel window in its :class:`PassRecord` (tests).
     """
 
@@ -700,10 +699,9 @@ class StreamingRecognizer:
         latest = end - end % hop
         if lim is None or latest <= pos or self.clock() - self._arrival_clock(pos / SAMPLE_RATE) <= lim:
             return pos
-        cfg = self.config
-        gap = max(cfg.max_final_gap_s, cfg.agree_span_s + 2 * cfg.hop_s)  # as _gap_limits
-        cap = min(latest, self.buffer.start + int(round(cfg.max_buffer_s * SAMPLE_RATE)),
-                  self._last_commit_pos + int(round((gap - cfg.hop_s) * SAMPLE_RATE)))
+        deadline = self._gap_limits()[0] + FRAME  # (without its one frame of slack: a whole number of hops)
+        cap = min(latest, self.buffer.start + int(round(self.config.max_buffer_s * SAMPLE_RATE)),
+                  self._last_commit_pos + deadline)
         new = max(pos, cap - cap % hop)
         self.skipped_positions += (new - pos) // hop
         return new

@@ -154,6 +154,36 @@ def uncovered_speech(spans: list[tuple[float, float]], finals: list[tuple[float,
     return out
 
 
+async def ws_stream(url: str, audio16k: np.ndarray, chunk_s: float = 0.5, pace: float | None = 1.0,
+                    start: dict | None = None, timeout_s: float = 120.0):
+    """Send ``audio16k`` to ``/v1/subtitles`` as pcm_s16le chunks at ``pace`` x real time (None: as fast as the
+    socket takes them), then ``stop``; returns ``([(clock, message), ...], close code)``, every server message with
+    the monotonic clock it arrived at."""
+    import json
+
+    from websockets.asyncio.client import connect
+
+    msgs = []
+    async with connect(url, max_size=None) as ws:
+        if start is not None:
+            await ws.send(json.dumps(start))
+
+        async def reader():
+            async for m in ws:
+                msgs.append((time.monotonic(), json.loads(m)))
+
+        rt = asyncio.create_task(reader())
+        step = int(chunk_s * 16000)
+        t0 = time.monotonic()
+        for k, i in enumerate(range(0, len(audio16k), step)):
+            if pace is not None:
+                await asyncio.sleep(max(0.0, t0 + k * chunk_s / pace - time.monotonic()))
+            await ws.send((audio16k[i:i + step] * 32768).clip(-32768, 32767).astype("<i2").tobytes())
+        await ws.send(json.dumps({"type": "stop"}))
+        await asyncio.wait_for(rt, timeout_s)
+        return msgs, ws.close_code
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,7 +14,7 @@ import asyncio
 
 import pytest
 
-from live_fixtures import SCRIPT, ServerThread, compose, free_port, uncovered_speech, wer
+from live_fixtures import SCRIPT, ServerThread, compose, free_port, uncovered_speech, wer, ws_stream
 from live_fixtures import metric as _metric
 from test_live_rtf_warning import SimTimeOnly, _slow_service
 from whisper_fixtures import one_torch_thread, speech_cache  # noqa: F401  (fixtures)
@@ -95,6 +95,7 @@ def test_catch_up_setting_is_checked():
 
 def test_serve_flag_and_variable_set_the_catch_up(monkeypatch):
     """``specstream serve --catch-up-s S|off`` over ``SPECSTREAM_CATCH_UP_S``; the default is StreamConfig's (off)."""
+    from specstream.errors import InvalidRequestError
     from specstream.pipeline.server import build_parser, settings_from_args
     from specstream.stages.streaming import StreamConfig
 
@@ -108,44 +109,30 @@ def test_serve_flag_and_variable_set_the_catch_up(monkeypatch):
     assert settings_from_args(parse(["--catch-up-s", "0.5"])).catch_up_s == 0.5
     monkeypatch.setenv("SPECSTREAM_CATCH_UP_S", "off")
     assert settings_from_args(parse([])).catch_up_s is None
-    with pytest.raises(SystemExit):
-        parse(["--catch-up-s", "-1"])
+    for bad in ("-1", "soon"):  # refused, naming the flag and its variable
+        with pytest.raises(InvalidRequestError, match="--catch-up-s / SPECSTREAM_CATCH_UP_S"):
+            settings_from_args(parse(["--catch-up-s", bad]))
 
 
 def test_server_counts_the_skipped_positions(speech_cache, four):
     """``/v1/subtitles`` with ``catch_up_s=0``: a recording sent all at once is behind from its first pass, so the
     passes skip positions, and ``specstream_subtitle_skipped_positions_total`` counts them; every sentence still
     reaches a final."""
-    import json
-
     import httpx
 
     from specstream.pipeline.server import ServerSettings
     from specstream.stages.streaming import SpeechService
 
-    settings = ServerSettings(port=free_port(), idle_timeout_s=30.0, min_hop_s=0.5, catch_up_s=0.0)
-    srv = ServerThread(settings)
+    srv = ServerThread(ServerSettings(port=free_port(), idle_timeout_s=30.0, min_hop_s=0.5, catch_up_s=0.0))
     srv.app.state.specstream.speech = SpeechService(None, num_slots=2)
     srv.start()
     try:
-        async def main():
-            from websockets.asyncio.client import connect
-
-            msgs = []
-            async with connect(srv.ws_url, max_size=None) as ws:
-                pcm = (four.audio * 32768).clip(-32768, 32767).astype("<i2").tobytes()
-                for i in range(0, len(pcm), 16000):
-                    await ws.send(pcm[i:i + 16000])
-                await ws.send(json.dumps({"type": "stop"}))
-                async for m in ws:
-                    msgs.append(json.loads(m))
-            return msgs
-
-        msgs = asyncio.run(asyncio.wait_for(main(), 300))
+        stamped, code = asyncio.run(ws_stream(srv.ws_url, four.audio, pace=None, timeout_s=300))
         metrics = httpx.get(srv.base + "/metrics").text
     finally:
         srv.stop()
-    assert msgs[-1] == {"type": "done"}
+    msgs = [m for _, m in stamped]
+    assert code == 1000 and msgs[-1] == {"type": "done"}
     finals = [m for m in msgs if m["type"] == "final"]
     assert not uncovered_speech(four.spans, [(f["start_s"], f["end_s"]) for f in finals]), finals
     assert _metric(metrics, "specstream_subtitle_skipped_positions_total") >= 4

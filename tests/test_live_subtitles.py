@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from binaries import CHROMIUM_ARGS, require
-from live_fixtures import SCRIPT, ServerThread, free_port, recording, wer
+from live_fixtures import SCRIPT, ServerThread, free_port, recording, wer, ws_stream
 from live_fixtures import rec3, sm  # noqa: F401  (fixtures)
 from live_fixtures import metric as _metric
 from whisper_fixtures import one_torch_thread, speech_cache  # noqa: F401  (fixtures)
@@ -46,29 +46,7 @@ def server(sm, tmp_path_factory):
     srv.stop()
 
 
-async def _stream(url, audio16k, chunk_s=0.5, pace=1.0, start=None):
-    """Send ``audio16k`` as pcm_s16le chunks at ``pace`` x real time; collect every server message."""
-    from websockets.asyncio.client import connect
-
-    msgs = []
-    async with connect(url, max_size=None) as ws:
-        if start is not None:
-            await ws.send(json.dumps(start))
-
-        async def reader():
-            async for m in ws:
-                msgs.append((time.monotonic(), json.loads(m)))
-
-        rt = asyncio.create_task(reader())
-        step = int(chunk_s * 16000)
-        t0 = time.monotonic()
-        for k, i in enumerate(range(0, len(audio16k), step)):
-            await asyncio.sleep(max(0.0, t0 + k * chunk_s / pace - time.monotonic()))
-            pcm = (audio16k[i:i + step] * 32768).clip(-32768, 32767).astype("<i2").tobytes()
-            await ws.send(pcm)
-        await ws.send(json.dumps({"type": "stop"}))
-        await asyncio.wait_for(rt, 120)
-        return msgs, ws.close_code
+_stream = ws_stream  # (the name this module's tests use)
 
 
 async def _expect_close(url, *messages) -> int:
